@@ -1,0 +1,104 @@
+"""Memory tags: how the FSDP implementations tell the memory tracker what a tensor is.
+
+Every byte the tracker sees lives in a storage (``tensor.untyped_storage()``). FSDP code
+knows what it allocates (a sharded parameter, an all-gather output, a reduce-scatter
+input) while the tracker only sees allocations, so the code that allocates calls
+``tag(tensor, "comm_buffers")`` and the tracker looks the storage up with ``category_of``.
+
+Tags are keyed by storage identity and held weakly: when the storage dies the tag goes
+with it, and a storage shared by several views carries one tag. A later ``tag`` call on
+the same storage overrides the earlier one (a buffer can change role, e.g. the unsharded
+parameter that an all-gather output becomes).
+
+``tag_scope(category)`` sets a default category for storages *allocated* inside the
+``with`` block that nobody tagged explicitly; the tracker reads it with ``current_scope``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# The one list of category names: the tracker, the estimator, plots, widgets and docs use these.
+CATEGORIES: tuple[str, ...] = (
+    "params",            # parameters of a model that is not sharded
+    "sharded_params",    # this rank's shard of FSDP parameters (and fp32 masters)
+    "unsharded_params",  # parameters gathered for compute (all-gather output viewed as params)
+    "grads",             # gradients of a model that is not sharded
+    "sharded_grads",     # this rank's shard of reduced gradients
+    "unsharded_grads",   # full-size gradients produced by backward before reduce-scatter
+    "optimizer_state",   # e.g. AdamW's exp_avg, exp_avg_sq, step
+    "activations",       # tensors saved by autograd for backward
+    "temporaries",       # short-lived results freed within the phase that made them
+    "comm_buffers",      # all-gather inputs/outputs and reduce-scatter inputs held alive
+    "quantized",         # NF4 packed codes and scales
+    "other",             # anything else (buffers, RoPE tables, data)
+)
+
+_tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_scope = threading.local()
+
+
+def _check_category(category: str) -> None:
+    if category not in CATEGORIES:
+        raise ValueError(
+            f"unknown memory category {category!r}; use one of: {', '.join(CATEGORIES)}"
+        )
+
+
+def tag(tensor: torch.Tensor, category: str) -> torch.Tensor:
+    """Mark the storage behind ``tensor`` as belonging to ``category``; returns ``tensor``.
+
+    Tensor subclasses that wrap inner tensors (DTensor, NF4Tensor) are tagged through
+    their inner tensors. Raises ValueError for a category not in ``CATEGORIES``.
+    """
+    _check_category(category)
+    for storage in _storages(tensor):
+        _tags[storage] = category
+    return tensor
+
+
+def untag(tensor: torch.Tensor) -> None:
+    """Forget the tag of every storage behind ``tensor`` (no error if none)."""
+    for storage in _storages(tensor):
+        _tags.pop(storage, None)
+
+
+def category_of(storage: torch.UntypedStorage) -> str | None:
+    """The category a storage was tagged with, or None if it was never tagged."""
+    return _tags.get(storage)
+
+
+@contextlib.contextmanager
+def tag_scope(category: str) -> Iterator[None]:
+    """Within the block, storages allocated and not tagged explicitly default to ``category``."""
+    _check_category(category)
+    stack = _scope.__dict__.setdefault("stack", [])
+    stack.append(category)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_scope() -> str | None:
+    """The innermost ``tag_scope`` category of this thread, or None."""
+    stack = getattr(_scope, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind a tensor, looking through wrapper subclasses."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        inner_names, _ = tensor.__tensor_flatten__()
+        found: list[torch.UntypedStorage] = []
+        for name in inner_names:
+            found.extend(_storages(getattr(tensor, name)))
+        return found
+    if tensor.device.type == "meta":
+        return []
+    return [tensor.untyped_storage()]
