@@ -1,0 +1,331 @@
+"""Per-rank timelines of compute and communication.
+
+An ``Event`` is ``(rank, lane, name, bytes, t_start, t_end)`` plus ``kind`` ("compute" or
+"comm") and free-form ``args``; times are seconds on the host's monotonic clock, so the
+events of ranks on one machine line up.
+
+* Compute events come from module hooks (``Timeline.attach``: forward and backward of each
+  unit) and from ``Timeline.span(name)`` blocks (e.g. the optimizer step).
+* Comm events are opened by ``fsdp_lab.collectives`` for every collective issued while a
+  timeline is active. An async collective's end is taken when it completes, not when it is
+  waited on: on CPU gloo from its future's completion callback (gloo work objects report
+  no durations), on CUDA from CUDA events recorded on the issuing stream.
+
+On CUDA every mark is a CUDA event; marks are turned into seconds (against one reference
+event and ``perf_counter`` taken together at start) when the timeline is finalized.
+
+``Timeline.merge`` joins the timelines returned by every rank; ``to_chrome_trace`` writes
+JSON that Perfetto and chrome://tracing open; ``overlap`` is the fraction of comm time
+hidden under compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+_active: list["Timeline"] = []
+
+
+def active() -> "Timeline | None":
+    """The innermost timeline being recorded in this process, or None."""
+    return _active[-1] if _active else None
+
+
+@dataclasses.dataclass
+class Event:
+    """One interval on one rank's lane. Times in seconds, bytes as nccl-tests counts them."""
+
+    rank: int
+    lane: str
+    name: str
+    bytes: int
+    t_start: float
+    t_end: float
+    kind: str = "compute"
+    args: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.t_end - self.t_start
+
+
+class _Clock:
+    """perf_counter on CPU; CUDA events on a CUDA device, resolved later to seconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.device = device
+            self.origin_event = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            self.origin_event.record()
+        self.origin_host = time.perf_counter()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        if isinstance(mark, float):
+            return mark
+        return self.origin_host + self.origin_event.elapsed_time(mark) / 1e3
+
+
+class CommEvent:
+    """An open comm event; ``close()`` ends it (at most once)."""
+
+    def __init__(self, timeline: "Timeline", name: str, nbytes: int, lane: str, args: dict):
+        self._timeline, self.name, self.bytes, self.lane, self.args = timeline, name, nbytes, lane, args
+        self._lock = threading.Lock()
+        self._start = timeline._clock.mark()
+        self._end = None
+
+    def close_on_completion(self, works: list) -> None:
+        """On CPU, take the end time from the last work's completion callback."""
+        if self._timeline._clock.cuda or not works:
+            return
+        try:
+            future = works[-1].get_future()
+        except (RuntimeError, AttributeError):
+            return
+        future.then(self._completed)
+
+    def _completed(self, _future) -> None:
+        with self._lock:
+            if self._end is None:
+                self._end = time.perf_counter()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._end is None:
+                self._end = self._timeline._clock.mark()
+            end = self._end
+        self._timeline._add_raw(self.lane, self.name, self.bytes, self._start, end, "comm", self.args)
+
+
+class Timeline:
+    """Records compute and comm events of this rank. Use as a context manager.
+
+    ``Timeline(rank=None, device=None)``: rank defaults to the process group rank (0
+    without one), device to CUDA's current device when the default process group uses
+    NCCL or CUDA is initialised, else CPU.
+    """
+
+    def __init__(self, rank: int | None = None, device: torch.device | str | None = None):
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if (
+                torch.cuda.is_available() and torch.cuda.is_initialized()) else torch.device("cpu")
+        self.rank = rank
+        self.device = torch.device(device)
+        self._clock: _Clock | None = None
+        self._raw: list[tuple] = []
+        self._events: list[Event] = []
+        self._hooks: list = []
+
+    # -- recording -------------------------------------------------------------------------
+    def __enter__(self) -> "Timeline":
+        if self._clock is None:
+            self._clock = _Clock(self.device)
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _active.remove(self)
+        self.finalize()
+
+    def open_comm(self, name: str, nbytes: int, *, lane: str = "comm", **args) -> CommEvent:
+        """Start a comm event now (called by fsdp_lab.collectives)."""
+        return CommEvent(self, name, nbytes, lane, args)
+
+    def _add_raw(self, lane, name, nbytes, start, end, kind, args) -> None:
+        self._raw.append((lane, name, nbytes, start, end, kind, args))
+
+    @contextlib.contextmanager
+    def span(self, name: str, lane: str = "compute", **args) -> Iterator[None]:
+        """Record the enclosed block as one compute event (e.g. "optimizer_step")."""
+        if self._clock is None:
+            raise RuntimeError("Timeline.span used outside `with Timeline():`")
+        start = self._clock.mark()
+        try:
+            yield
+        finally:
+            self._add_raw(lane, name, 0, start, self._clock.mark(), "compute", args)
+
+    def attach(self, model: nn.Module, modules: Iterable[tuple[str, nn.Module]] | None = None) -> "Timeline":
+        """Record forward and backward of each unit of ``model`` as compute events.
+
+        ``modules``: (name, module) pairs; default: the model's children, with
+        ModuleList/Sequential containers opened one level (``layers.0``, ``layers.1`` …).
+        Hooks stay until ``detach()`` or the end of the ``with`` block.
+        """
+        if modules is None:
+            modules = default_units(model)
+        for name, module in modules:
+            self._hooks += _time_module(self, name, module)
+        return self
+
+    def detach(self) -> None:
+        """Remove the module hooks added by ``attach``."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def finalize(self) -> None:
+        """Resolve clock marks into seconds (synchronises CUDA once) and drop hooks."""
+        self.detach()
+        if not self._raw:
+            return
+        if self._clock.cuda:
+            torch.cuda.synchronize(self._clock.device)
+        for lane, name, nbytes, start, end, kind, args in self._raw:
+            self._events.append(Event(self.rank, lane, name, nbytes, self._clock.seconds(start),
+                                      self._clock.seconds(end), kind, dict(args)))
+        self._raw.clear()
+        self._events.sort(key=lambda e: (e.rank, e.t_start))
+
+    @property
+    def events(self) -> list[Event]:
+        self.finalize()
+        return self._events
+
+    def __getstate__(self) -> dict:
+        # Sent back from ranks by fsdp_lab.launch: only plain events travel.
+        self.finalize()
+        return {"rank": self.rank, "device": str(self.device), "_events": self._events}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["rank"], state["device"])
+        self._events = state["_events"]
+
+    # -- reading ---------------------------------------------------------------------------
+    @classmethod
+    def merge(cls, timelines: Iterable["Timeline"]) -> "Timeline":
+        """One timeline holding the events of all given timelines (e.g. one per rank)."""
+        merged = cls(rank=0, device="cpu")
+        for tl in timelines:
+            merged._events.extend(tl.events)
+        merged._events.sort(key=lambda e: (e.rank, e.t_start))
+        return merged
+
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    def comm_events(self, rank: int | None = None, name: str | None = None) -> list[Event]:
+        """Comm events, optionally of one rank and/or one collective name."""
+        return [e for e in self.events if e.kind == "comm" and (rank is None or e.rank == rank)
+                and (name is None or e.name == name)]
+
+    def compute_events(self, rank: int | None = None) -> list[Event]:
+        return [e for e in self.events if e.kind == "compute" and (rank is None or e.rank == rank)]
+
+    def overlap(self) -> dict[int, float]:
+        """Per rank: the fraction of comm time during which compute was also running.
+
+        Both sides are first merged into unions of intervals (nested compute spans and
+        concurrent collectives count once); a rank with no comm gets 0.0.
+        """
+        result = {}
+        for rank in self.ranks():
+            comm = _union([(e.t_start, e.t_end) for e in self.comm_events(rank)])
+            compute = _union([(e.t_start, e.t_end) for e in self.compute_events(rank)])
+            total = sum(b - a for a, b in comm)
+            result[rank] = _intersection_length(comm, compute) / total if total > 0 else 0.0
+        return result
+
+    def to_chrome_trace(self, path=None) -> dict:
+        """Chrome trace JSON (one process per rank, one thread per lane); written to
+        ``path`` when given. Times are microseconds from the earliest event."""
+        events = self.events
+        t0 = min((e.t_start for e in events), default=0.0)
+        lanes = sorted({(e.rank, e.lane) for e in events})
+        tids = {key: i for i, key in enumerate(lanes)}
+        trace = []
+        for rank in sorted({r for r, _ in lanes}):
+            trace.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                          "args": {"name": f"rank {rank}"}})
+        for (rank, lane), tid in tids.items():
+            trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
+        for e in events:
+            trace.append({"ph": "X", "pid": e.rank, "tid": tids[(e.rank, e.lane)], "name": e.name,
+                          "cat": e.kind, "ts": (e.t_start - t0) * 1e6, "dur": e.duration * 1e6,
+                          "args": {"bytes": e.bytes, **e.args}})
+        doc = {"traceEvents": trace, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+
+def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's children, opening ModuleList/Sequential containers one level."""
+    units = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            units += [(f"{name}.{sub}", m) for sub, m in child.named_children()]
+        else:
+            units.append((name, child))
+    return units
+
+
+def _time_module(tl: Timeline, name: str, module: nn.Module) -> list:
+    """Hooks that record ``name`` forward and ``name`` backward as compute events."""
+    starts: dict[str, object] = {}
+
+    def pre_forward(_m, _args):
+        starts["fwd"] = tl._clock.mark()
+
+    def post_forward(_m, _args, _out):
+        if "fwd" in starts:
+            tl._add_raw("compute", f"{name} forward", 0, starts.pop("fwd"), tl._clock.mark(), "compute",
+                        {"phase": "forward", "module": name})
+
+    def pre_backward(_m, _grad_out):
+        starts["bwd"] = tl._clock.mark()
+
+    def post_backward(_m, _grad_in, _grad_out):
+        if "bwd" in starts:
+            tl._add_raw("compute", f"{name} backward", 0, starts.pop("bwd"), tl._clock.mark(), "compute",
+                        {"phase": "backward", "module": name})
+
+    return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward),
+            module.register_full_backward_pre_hook(pre_backward),
+            module.register_full_backward_hook(post_backward)]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, disjoint interval lists (a sweep)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total

@@ -1,0 +1,9 @@
+"""Figures (pure matplotlib, each takes ``ax=None`` and returns the Axes) and widgets.
+
+Plot functions never need a display and are tested headless; widgets live in
+``fsdp_lab.viz.widgets`` and are thin ipywidgets wrappers around these plots.
+"""
+
+from fsdp_lab.viz.timeline_plots import plot_timeline
+
+__all__ = ["plot_timeline"]

@@ -1,0 +1,54 @@
+"""Timeline figures: a Gantt chart of compute and comm lanes per rank (pure matplotlib)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+# One colour per kind of work, so a reader sees at a glance what overlaps what.
+_COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#55A868",
+    "compute": "#8C8C8C",
+    "all_gather": "#DD8452",
+    "reduce_scatter": "#C44E52",
+    "all_reduce": "#8172B3",
+    "broadcast": "#937860",
+}
+
+
+def _color(event) -> str:
+    if event.kind == "comm":
+        return _COLORS.get(event.name, "#DA8BC3")
+    return _COLORS.get(event.args.get("phase", "compute"), _COLORS["compute"])
+
+
+def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: bool = False):
+    """Draw ``timeline`` as a Gantt chart: one row per (rank, lane), time in ms from the start.
+
+    Returns the matplotlib Axes. Comm events are coloured by collective, compute events by
+    phase (forward / backward / other spans). Raises ValueError for an empty timeline.
+    """
+    events = timeline.events
+    if not events:
+        raise ValueError("the timeline has no events: record inside `with Timeline():` first")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 1.0 + 0.45 * len({(e.rank, e.lane) for e in events})))
+    t0 = min(e.t_start for e in events)
+    rows = sorted({(e.rank, e.lane) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1]))
+    index = {row: i for i, row in enumerate(rows)}
+    for e in events:
+        y = index[(e.rank, e.lane)]
+        ax.broken_barh([((e.t_start - t0) * 1e3, max(e.duration * 1e3, 1e-3))], (y - 0.38, 0.76),
+                       facecolors=_color(e), edgecolors="none")
+        if label_bytes and e.kind == "comm" and e.bytes:
+            ax.text((e.t_start - t0) * 1e3, y, f"{e.bytes / 2**20:.1f}M", fontsize=6, va="center")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r} {lane}" for r, lane in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    names = sorted({e.name if e.kind == "comm" else e.args.get("phase", "compute") for e in events})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(n, "#DA8BC3")) for n in names]
+    ax.legend(handles, names, loc="upper right", fontsize=7, ncol=min(4, len(names)))
+    if title:
+        ax.set_title(title)
+    return ax

@@ -1,0 +1,144 @@
+"""fsdp_lab.collectives on real gloo process groups, checked against values worked by hand."""
+
+import pytest
+import torch
+
+import fsdp_lab
+from fsdp_lab import collectives
+from fsdp_lab.timeline import Timeline
+
+K = 6  # elements per rank chunk
+
+
+def _collective_checks():
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    seen = []
+    collectives.set_progress_sink(seen.append)
+    out = {}
+    with Timeline() as tl:
+        x = torch.arange(K, dtype=torch.float32) + 100 * rank
+        gathered = torch.empty(K * n)
+        collectives.all_gather_into_tensor(gathered, x)
+        out["all_gather"] = gathered
+
+        full = torch.arange(K * n, dtype=torch.float32) * (rank + 1)
+        for op in ("sum", "avg", "max", "min"):
+            shard = torch.empty(K)
+            collectives.reduce_scatter_tensor(shard, full, op=op)
+            out[f"reduce_scatter_{op}"] = shard
+
+        shard = torch.empty(K)
+        handle = collectives.reduce_scatter_tensor(shard, full, async_op=True)
+        handle.wait()
+        out["reduce_scatter_async"] = shard
+
+        bf = torch.empty(K, dtype=torch.bfloat16)
+        collectives.reduce_scatter_tensor(bf, full.to(torch.bfloat16))
+        out["reduce_scatter_bf16"] = bf
+
+        for op in ("sum", "avg", "max"):
+            t = torch.full((3,), float(rank + 1))
+            collectives.all_reduce(t, op=op)
+            out[f"all_reduce_{op}"] = t
+
+        b = torch.full((4,), float(rank))
+        h = collectives.broadcast(b, src=n - 1, async_op=True)
+        h.wait()
+        out["broadcast"] = b
+    try:
+        collectives.all_gather_into_tensor(torch.empty(K * n + 1), x)
+    except ValueError as e:
+        out["size_error"] = str(e)
+    collectives.set_progress_sink(None)
+    out["events"] = [(e.name, e.bytes, e.args.get("impl"), e.args.get("dtype")) for e in tl.comm_events()]
+    out["seen"] = seen
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def results(request):
+    n = request.param
+    return n, fsdp_lab.launch(_collective_checks, world_size=n, timeout=120)
+
+
+def test_all_gather_concatenates_in_rank_order(results):
+    n, per_rank = results
+    expected = torch.cat([torch.arange(K, dtype=torch.float32) + 100 * r for r in range(n)])
+    for out in per_rank:
+        assert torch.equal(out["all_gather"], expected)
+
+
+def test_reduce_scatter_ops(results):
+    n, per_rank = results
+    base = torch.arange(K * n, dtype=torch.float32)
+    factors = torch.arange(1, n + 1, dtype=torch.float32)  # rank r sent base * (r + 1)
+    for r, out in enumerate(per_rank):
+        chunk = base[r * K:(r + 1) * K]
+        assert torch.equal(out["reduce_scatter_sum"], chunk * factors.sum())
+        assert torch.allclose(out["reduce_scatter_avg"], chunk * factors.mean())
+        assert torch.equal(out["reduce_scatter_max"], chunk * n)
+        assert torch.equal(out["reduce_scatter_min"], chunk)
+        assert torch.equal(out["reduce_scatter_async"], chunk * factors.sum())
+        assert out["reduce_scatter_bf16"].dtype == torch.bfloat16
+        assert torch.allclose(out["reduce_scatter_bf16"].float(), chunk * factors.sum(), rtol=1e-2)
+
+
+def test_all_reduce_and_broadcast(results):
+    n, per_rank = results
+    total = n * (n + 1) / 2
+    for out in per_rank:
+        assert torch.equal(out["all_reduce_sum"], torch.full((3,), total))
+        assert torch.allclose(out["all_reduce_avg"], torch.full((3,), total / n))
+        assert torch.equal(out["all_reduce_max"], torch.full((3,), float(n)))
+        assert torch.equal(out["broadcast"], torch.full((4,), float(n - 1)))
+
+
+def test_size_mismatch_is_a_clear_error(results):
+    _, per_rank = results
+    assert "expected input.numel() * group size" in per_rank[0]["size_error"]
+
+
+def test_timeline_events_count_bytes_like_nccl_tests(results):
+    n, per_rank = results
+    events = per_rank[0]["events"]
+    names = [e[0] for e in events]
+    assert names == ["all_gather"] + ["reduce_scatter"] * 6 + ["all_reduce"] * 3 + ["broadcast"]
+    assert events[0][1] == K * n * 4            # all-gather: S = per-rank bytes x n
+    assert events[1][1] == K * n * 4            # reduce-scatter: S = the full input
+    assert events[1][2] == "all_to_all+local_sum"   # gloo's all-reduce emulation is not used
+    assert events[6][1:] == (K * n * 2, "all_to_all+local_sum", "bfloat16")
+    assert events[7][1] == 3 * 4                # all-reduce: S = the tensor
+    assert events[-1][1] == 4 * 4
+
+
+def test_progress_sink_names_each_collective(results):
+    n, per_rank = results
+    seen = per_rank[0]["seen"]
+    assert len(seen) == 11
+    assert seen[0].startswith("all_gather #") and f"group of {n}" in seen[0]
+    assert "float32" in seen[0] and "reduce_scatter" in seen[1]
+
+
+def test_bus_bandwidth_matches_nccl_tests_formulas():
+    # S = 8e9 bytes in 2 s on 4 ranks: algbw 4e9 B/s; busbw 3e9 (x3/4) or 6e9 (x2*3/4).
+    assert collectives.bus_bandwidth("all_gather", 8e9, 2.0, 4) == (4e9, 3e9)
+    assert collectives.bus_bandwidth("reduce_scatter", 8e9, 2.0, 4) == (4e9, 3e9)
+    assert collectives.bus_bandwidth("all_reduce", 8e9, 2.0, 4) == (4e9, 6e9)
+    assert collectives.bus_bandwidth("broadcast", 8e9, 2.0, 4) == (4e9, 4e9)
+    with pytest.raises(ValueError, match="unknown collective"):
+        collectives.bus_bandwidth("gather", 1, 1.0, 2)
+    with pytest.raises(ValueError, match="positive"):
+        collectives.bus_bandwidth("all_gather", 1, 0.0, 2)
+
+
+def test_benchmark_rows():
+    rows = collectives.benchmark(["all_gather", "all_reduce"], [1 << 16], world_size=2, iters=3, warmup=1)
+    assert [r["op"] for r in rows] == ["all_gather", "all_reduce"]
+    for r in rows:
+        assert r["bytes"] == 1 << 16 and r["time_s"] > 0
+        factor = 0.5 if r["op"] == "all_gather" else 1.0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
+    with pytest.raises(ValueError, match="unknown collective"):
+        collectives.benchmark("gather", [1024])

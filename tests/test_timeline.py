@@ -1,0 +1,128 @@
+"""Timeline: events from hooks and collectives, overlap by hand-worked intervals, Chrome trace."""
+
+import io
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_lab
+from fsdp_lab import collectives
+from fsdp_lab.timeline import Event, Timeline
+from fsdp_lab.viz import plot_timeline
+
+
+def _timeline_of(events):
+    tl = Timeline(rank=0, device="cpu")
+    tl._events = list(events)
+    return tl
+
+
+def test_overlap_is_the_hidden_fraction_of_comm_time():
+    # comm [0, 10] and [20, 30]; compute [5, 25] (nested [6, 7] counts once) -> hidden 5 + 5 of 20.
+    tl = _timeline_of([
+        Event(0, "comm", "all_gather", 8, 0.0, 10.0, "comm"),
+        Event(0, "comm", "reduce_scatter", 8, 20.0, 30.0, "comm"),
+        Event(0, "compute", "block", 0, 5.0, 25.0),
+        Event(0, "compute", "inner", 0, 6.0, 7.0),
+        Event(1, "comm", "all_gather", 8, 0.0, 4.0, "comm"),
+        Event(1, "compute", "block", 0, 4.0, 9.0),
+    ])
+    assert tl.overlap() == {0: pytest.approx(0.5), 1: 0.0}
+
+
+def test_chrome_trace_has_one_process_per_rank_and_one_thread_per_lane(tmp_path):
+    tl = _timeline_of([
+        Event(0, "compute", "fwd", 0, 1.0, 1.5),
+        Event(1, "comm", "all_gather", 64, 1.25, 2.0, "comm", {"dtype": "float32"}),
+    ])
+    doc = tl.to_chrome_trace(tmp_path / "trace.json")
+    assert json.loads((tmp_path / "trace.json").read_text()) == doc
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"], e["dur"]) for e in spans] == [
+        (0, "fwd", 0.0, 500000.0), (1, "all_gather", 250000.0, 750000.0)]
+    assert spans[1]["args"] == {"bytes": 64, "dtype": "float32"}
+    names = {(e["pid"], e["args"]["name"]) for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {(0, "compute"), (1, "comm")}
+
+
+def test_attach_records_forward_in_order_and_backward_in_reverse():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with Timeline() as tl:
+        tl.attach(model)
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        with tl.span("optimizer_step"):
+            pass
+    names = [e.name for e in sorted(tl.events, key=lambda e: e.t_end)]
+    assert names == ["0 forward", "1 forward", "2 forward", "2 backward", "1 backward", "0 backward",
+                     "optimizer_step"]
+    assert all(e.t_end >= e.t_start for e in tl.events)
+    # hooks are removed at exit: another pass records nothing
+    model(torch.randn(3, 4)).sum()
+    assert len(tl.events) == 7
+
+
+def test_timeline_round_trips_through_torch_save_and_merges():
+    a = _timeline_of([Event(0, "compute", "x", 0, 0.0, 1.0)])
+    b = _timeline_of([Event(1, "comm", "all_reduce", 4, 0.5, 0.7, "comm")])
+    buf = io.BytesIO()
+    torch.save(b, buf)
+    buf.seek(0)
+    b2 = torch.load(buf, weights_only=False)
+    merged = Timeline.merge([a, b2])
+    assert merged.ranks() == [0, 1]
+    assert [e.name for e in merged.comm_events()] == ["all_reduce"]
+
+
+def test_span_outside_recording_is_an_error():
+    with pytest.raises(RuntimeError, match="outside"):
+        with Timeline().span("x"):
+            pass
+
+
+def test_plot_timeline_draws_rows_per_rank_and_lane():
+    tl = _timeline_of([Event(0, "compute", "f", 0, 0.0, 1.0, args={"phase": "forward"}),
+                       Event(0, "comm", "all_gather", 4, 0.2, 0.4, "comm"),
+                       Event(1, "comm", "all_gather", 4, 0.2, 0.5, "comm")])
+    ax = plot_timeline(tl)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 compute", "rank 0 comm", "rank 1 comm"]
+    with pytest.raises(ValueError, match="no events"):
+        plot_timeline(_timeline_of([]))
+
+
+def _overlap_run():
+    # The same all-gather and the same matmuls, once waited before computing (sync) and
+    # once issued async with the compute in between: only the second can overlap.
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    x = torch.ones(1 << 20)
+    out = torch.empty(n << 20)
+    a = torch.randn(384, 384)
+    result = {}
+    for mode in ("sync", "async"):
+        with Timeline() as tl:
+            for _ in range(3):
+                if mode == "sync":
+                    collectives.all_gather_into_tensor(out, x)
+                    with tl.span("matmul"):
+                        for _ in range(20):
+                            a @ a
+                else:
+                    handle = collectives.all_gather_into_tensor(out, x, async_op=True)
+                    with tl.span("matmul"):
+                        for _ in range(20):
+                            a @ a
+                    handle.wait()
+        result[mode] = tl
+    return result
+
+
+def test_overlap_is_zero_when_synchronous_and_positive_when_async():
+    per_rank = fsdp_lab.launch(_overlap_run, world_size=2, timeout=120)
+    sync = Timeline.merge(r["sync"] for r in per_rank)
+    asynchronous = Timeline.merge(r["async"] for r in per_rank)
+    assert len(sync.comm_events()) == len(asynchronous.comm_events()) == 6
+    assert all(v == 0.0 for v in sync.overlap().values())
+    assert all(v > 0.0 for v in asynchronous.overlap().values())
