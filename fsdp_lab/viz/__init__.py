@@ -4,6 +4,7 @@ Plot functions never need a display and are tested headless; widgets live in
 ``fsdp_lab.viz.widgets`` and are thin ipywidgets wrappers around these plots.
 """
 
+from fsdp_lab.viz.collective_plots import plot_collective
 from fsdp_lab.viz.timeline_plots import plot_timeline
 
-__all__ = ["plot_timeline"]
+__all__ = ["plot_collective", "plot_timeline"]

@@ -1,0 +1,81 @@
+"""Thin ipywidgets wrappers around the plot functions.
+
+``Explorer`` is the one pattern every lab widget follows: a few controls, and a render
+function ``render(**values) -> Figure`` (or ``(Figure, text)``) that runs the real thing
+and draws it. Changing a control re-renders; the last figure is kept as PNG bytes
+(``last_png``) so tests and the browser check can see that it changed. Widget state is
+not saved in notebooks, so every lab shows a static figure from the same render
+function beside the widget.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+from IPython.display import display
+
+# CSS class on each lab's main widget, so the browser test can find it.
+MAIN_WIDGET_CLASS = "fsdp-lab-main"
+
+
+class Explorer:
+    """Controls plus a figure that is redrawn by ``render(**values)`` whenever a control changes.
+
+    ``controls``: name -> ipywidgets value widget (the name is the keyword ``render`` gets).
+    ``render`` returns a matplotlib Figure or (Figure, text). Errors raised by ``render``
+    are shown in the output area as text instead of breaking the widget.
+    """
+
+    def __init__(self, controls: dict[str, widgets.ValueWidget], render: Callable, *,
+                 title: str = "", auto: bool = True):
+        self.controls = controls
+        self.render = render
+        self.output = widgets.Output(layout=widgets.Layout(min_height="300px"))
+        self.text = widgets.HTML()
+        self.button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.button.on_click(lambda _b: self.update())
+        self.last_png: bytes | None = None
+        self.last_text = ""
+        header = [widgets.HTML(f"<b>{title}</b>")] if title else []
+        panel = widgets.VBox(header + list(controls.values()) + [self.button],
+                             layout=widgets.Layout(min_width="280px"))
+        self.widget = widgets.HBox([panel, widgets.VBox([self.output, self.text])])
+        self.widget.add_class(MAIN_WIDGET_CLASS)
+        if auto:
+            for control in controls.values():
+                control.observe(lambda _change: self.update(), names="value")
+
+    def values(self) -> dict:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def update(self) -> None:
+        """Run ``render`` with the current control values and show its figure."""
+        self.button.disabled = True
+        try:
+            result = self.render(**self.values())
+            fig, text = result if isinstance(result, tuple) else (result, "")
+            buf = io.BytesIO()
+            fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+            self.last_png, self.last_text = buf.getvalue(), text
+            self.output.clear_output(wait=True)
+            with self.output:
+                display(fig)
+            plt.close(fig)
+            self.text.value = f"<pre>{text}</pre>" if text else ""
+        except Exception as error:  # shown to the learner, not raised into the event loop
+            self.last_text = f"{type(error).__name__}: {error}"
+            self.text.value = f"<pre style='color:#b00'>{self.last_text}</pre>"
+        finally:
+            self.button.disabled = False
+
+    def show(self) -> "Explorer":
+        """Render once and display the widget; returns self."""
+        self.update()
+        display(self.widget)
+        return self
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)

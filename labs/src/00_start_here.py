@@ -1,0 +1,207 @@
+"""Lab 00: process groups, ranks, and launching N ranks from a notebook."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from nbbuild import build, code, md  # noqa: E402
+
+CELLS = [
+    md("""
+    # Lab 00 — Start here: ranks, process groups and `fsdp_lab.launch`
+
+    **Goals.** By the end of this lab you can
+
+    1. say what a *rank*, a *world size* and a *process group* are;
+    2. run a function written in this notebook on N processes with `fsdp_lab.launch`;
+    3. exchange data between ranks with one collective;
+    4. recognise what happens when a rank fails or two ranks disagree on a collective — an error that
+       names the rank, never a notebook that hangs.
+
+    Everything here runs on a laptop CPU (the *gloo* backend). On a machine with GPUs the same cells use
+    NCCL and one GPU per rank.
+    """),
+    code("""
+    %matplotlib inline
+    import os, platform
+    import torch
+    import matplotlib.pyplot as plt
+    import ipywidgets as widgets
+    import fsdp_lab
+    from fsdp_lab import collectives
+    from fsdp_lab.dist import choose_backend
+
+    FIGURES = "figures/00_start_here"
+    os.makedirs(FIGURES, exist_ok=True)
+    print(f"torch {torch.__version__} | python {platform.python_version()} | "
+          f"GPUs: {torch.cuda.device_count()} | cores: {os.cpu_count()} | backend for 2 ranks: {choose_backend(2)}")
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 1. The idea on one process
+
+    Data-parallel training runs the *same program* in N processes. Each process is a **rank** (0 … N−1);
+    N is the **world size**. A **process group** is the set of ranks that take part in a collective
+    (an all-gather, a reduce-scatter, an all-reduce). Every rank must enter the same collectives in the
+    same order — that is the whole contract, and most distributed bugs break it.
+
+    A plain Python process is a world of one: rank 0 of 1.
+    """),
+    code("""
+    from fsdp_lab.dist import get_rank, get_world_size
+    print("rank", get_rank(), "of", get_world_size())
+    """),
+    md("""
+    ## 2. Run N ranks from the notebook
+
+    `fsdp_lab.launch(fn, *args, world_size=N)` starts N fresh processes, initialises the default process
+    group in each, runs `fn(*args)` on every rank and returns the results as a list indexed by rank.
+    `fn` may be defined right here in the notebook: it is sent to the ranks by value. Only rank 0's prints
+    reach this notebook.
+    """),
+    code("""
+    def whoami(greeting):
+        import torch.distributed as dist
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if rank == 0:
+            print(f"{greeting} from rank 0 of {world}")
+        return {"rank": rank, "world_size": world, "backend": dist.get_backend(), "pid": os.getpid()}
+
+    results = fsdp_lab.launch(whoami, "hello", world_size=4)   # gloo on CPU; NCCL with >= 4 GPUs
+    for r in results:
+        print(f"rank {r['rank']} of {r['world_size']}")
+    print("distinct processes:", len({r['pid'] for r in results}), "| this notebook is one of them:",
+          os.getpid() in {r['pid'] for r in results})
+    """),
+    md("""
+    ## 3. One collective: all-reduce
+
+    Each rank holds a tensor; after `all_reduce` every rank holds the element-wise sum. All collectives in
+    fsdp_lab go through `fsdp_lab.collectives`, which also records them on a timeline (lab 01).
+    """),
+    code("""
+    def sum_of_ranks():
+        import torch.distributed as dist
+        rank = dist.get_rank()
+        before = torch.tensor([float(rank), 10.0 * rank])
+        after = before.clone()
+        collectives.all_reduce(after)
+        return before, after
+
+    out = fsdp_lab.launch(sum_of_ranks, world_size=4)
+    for rank, (before, after) in enumerate(out):
+        print(f"rank {rank}: before {before.tolist()} -> after {after.tolist()}")
+    """),
+    code("""
+    from fsdp_lab.viz import plot_collective
+    axes = plot_collective("all_reduce", [b for b, _ in out], [a for _, a in out])
+    axes[0].figure.suptitle("all_reduce on 4 ranks: every rank ends with the sum")
+    axes[0].figure.savefig(f"{FIGURES}/all_reduce_4_ranks.png", dpi=100, bbox_inches="tight")
+    plt.show()
+    """),
+    md("""
+    ## 4. When a rank fails
+
+    If one rank raises, `launch` raises `fsdp_lab.LaunchError` in the notebook: the message names the rank
+    and carries its traceback, the other ranks are stopped, and no process is left behind.
+    """),
+    code("""
+    def fails_on_rank_1():
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 found a bad batch")
+        return "ok"
+
+    try:
+        fsdp_lab.launch(fails_on_rank_1, world_size=2)
+    except fsdp_lab.LaunchError as error:
+        print("LaunchError from rank", error.rank)
+        print([line for line in str(error).splitlines() if "ValueError" in line][-1])
+    """),
+    md("""
+    ### A hang becomes an error, too
+
+    The classic distributed bug: one rank skips a collective the others enter. The others wait forever —
+    unless something stops them (if the skipping rank simply *exits*, its peers get a "connection closed"
+    error instead, which `launch` reports like any failure). `launch(..., timeout=…)` ends the run and reports, per rank, the last
+    collective it entered, which usually points straight at the mismatch.
+    """),
+    code("""
+    def rank_1_skips_the_all_reduce():
+        import torch.distributed as dist
+        t = torch.ones(4)
+        collectives.all_reduce(t)                 # everybody: all_reduce #1
+        if dist.get_rank() == 0:
+            collectives.all_reduce(t)             # rank 0 waits in all_reduce #2 ...
+        else:                                     # ... while rank 1 skipped it and is already
+            collectives.all_gather_into_tensor(torch.empty(8), t)   # in the next step's all-gather
+        return t
+
+    try:
+        fsdp_lab.launch(rank_1_skips_the_all_reduce, world_size=2, timeout=6)
+    except fsdp_lab.LaunchTimeout as error:
+        for rank, last in enumerate(error.last_collectives):
+            print(f"rank {rank} last entered: {last}")
+    """),
+    md("""
+    ## 5. Explore: world size and collective
+
+    Pick a world size and a collective; the widget launches the ranks and draws who holds what. Widget
+    state is not saved in the notebook, so the static figure above shows one run of the same function.
+    """),
+    code("""
+    def run_collective(op):
+        import torch.distributed as dist
+        rank, n = dist.get_rank(), dist.get_world_size()
+        x = torch.arange(2, dtype=torch.float32) + 10 * rank
+        if op == "all_reduce":
+            y = x.clone(); collectives.all_reduce(y)
+        elif op == "all_gather":
+            y = torch.empty(2 * n); collectives.all_gather_into_tensor(y, x)
+        else:
+            y = x.clone(); collectives.broadcast(y, src=0)
+        return x, y
+
+    def render(world_size, op):
+        out = fsdp_lab.launch(run_collective, op, world_size=world_size)
+        axes = plot_collective(op, [x for x, _ in out], [y for _, y in out])
+        return axes[0].figure, f"{op} on {world_size} ranks"
+
+    from fsdp_lab.viz.widgets import Explorer
+    explorer = Explorer(
+        {"world_size": widgets.IntSlider(value=2, min=1, max=4, description="world size"),
+         "op": widgets.Dropdown(options=["all_reduce", "all_gather", "broadcast"], description="collective")},
+        render, title="Launch N ranks")
+    explorer.show();
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 6. Exercise
+
+    Write `count_ranks()` so that **every** rank returns the world size computed *only* with a collective
+    (no `dist.get_world_size()`): hint — all-reduce a one. The checking cell runs it on 3 ranks.
+    """),
+    code("""
+    def count_ranks():
+        t = torch.ones(1)
+        collectives.all_reduce(t)
+        return int(t.item())
+    """),
+    code("""
+    answers = fsdp_lab.launch(count_ranks, world_size=3)
+    print("correct" if answers == [3, 3, 3] else f"not yet: every rank should return 3, got {answers}")
+    """),
+    md("""
+    ## Summary
+
+    * A rank is one process of N; the process group is who takes part in a collective; every rank must
+      call the same collectives in the same order.
+    * `fsdp_lab.launch(fn, world_size=N)` runs notebook code on N ranks and returns their results.
+    * A failing rank is an error that names it; a mismatched collective is a timeout that names each
+      rank's last collective — nothing hangs.
+
+    Next: **lab 01** — what all-gather, reduce-scatter and all-reduce do, what they cost, and how to read
+    a collective timeline.
+    """),
+]
+
+if __name__ == "__main__":
+    build(__file__, CELLS)
