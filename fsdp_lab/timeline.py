@@ -246,6 +246,54 @@ class Timeline:
             result[rank] = _intersection_length(comm, compute) / total if total > 0 else 0.0
         return result
 
+    def phase_summary(self) -> dict[int, dict[str, float]]:
+        """Per rank, seconds spent in each phase of the recorded window.
+
+        forward / backward: union of compute events whose ``phase`` arg says so (module hooks
+        set it); optimizer: spans recorded with ``phase="optimizer"``; other_compute: the
+        remaining compute; exposed_comm: comm time not hidden under any compute; idle: the
+        rest of the window [first event start, last event end]. The six add up to the window.
+        """
+        result = {}
+        for rank in self.ranks():
+            compute = self.compute_events(rank)
+            by_phase = {name: _union([(e.t_start, e.t_end) for e in compute if e.args.get("phase") == name])
+                        for name in ("forward", "backward", "optimizer")}
+            all_compute = _union([(e.t_start, e.t_end) for e in compute])
+            comm = _union([(e.t_start, e.t_end) for e in self.comm_events(rank)])
+            everything = _union(all_compute + comm)
+            start = min(a for a, _ in everything)
+            window = max(b for _, b in everything) - start
+            # Phases can nest (a block's forward inside the model's); count each instant once,
+            # giving precedence optimizer > backward > forward.
+            claimed: list[tuple[float, float]] = []
+            row = {}
+            for name in ("optimizer", "backward", "forward"):
+                row[name] = _length(by_phase[name]) - _intersection_length(by_phase[name], _union(claimed))
+                claimed += by_phase[name]
+            row["other_compute"] = _length(all_compute) - _intersection_length(all_compute, _union(claimed))
+            row["exposed_comm"] = _length(comm) - _intersection_length(comm, all_compute)
+            row["idle"] = window - _length(everything)
+            row["window"] = window
+            result[rank] = row
+        return result
+
+    def collective_summary(self, rank: int | None = None) -> list[dict]:
+        """One row per comm event: rank, name, bytes, seconds, algbw and busbw (bytes/s)."""
+        from fsdp_lab.collectives import bus_bandwidth
+
+        rows = []
+        for e in self.comm_events(rank):
+            n = int(e.args.get("group_size", 1))
+            algbw, busbw = (bus_bandwidth(e.name, e.bytes, e.duration, n)
+                            if e.duration > 0 and n > 1 and e.name in ("all_gather", "reduce_scatter",
+                                                                        "all_reduce", "broadcast")
+                            else (0.0, 0.0))
+            rows.append({"rank": e.rank, "name": e.name, "bytes": e.bytes, "seconds": e.duration,
+                         "algbw": algbw, "busbw": busbw, **{k: v for k, v in e.args.items()
+                                                           if k in ("module", "impl", "staged")}})
+        return rows
+
     def to_chrome_trace(self, path=None) -> dict:
         """Chrome trace JSON (one process per rank, one thread per lane); written to
         ``path`` when given. Times are microseconds from the earliest event."""
@@ -314,6 +362,10 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             merged.append([start, end])
     return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
 
 
 def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

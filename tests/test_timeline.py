@@ -126,3 +126,35 @@ def test_overlap_is_zero_when_synchronous_and_positive_when_async():
     assert len(sync.comm_events()) == len(asynchronous.comm_events()) == 6
     assert all(v == 0.0 for v in sync.overlap().values())
     assert all(v > 0.0 for v in asynchronous.overlap().values())
+
+
+def test_phase_summary_splits_the_window_worked_by_hand():
+    # window 0..18 (first start to last end): forward 0..4 (with a nested block 1..2), backward
+    # 6..12, optimizer 14..16, comm 3..8 (hidden 3..4 and 6..8 -> exposed 4..6 = 2) and 17..18
+    # (exposed 1); idle 12..14 and 16..17 = 3.
+    tl = _timeline_of([
+        Event(0, "compute", "model forward", 0, 0.0, 4.0, args={"phase": "forward"}),
+        Event(0, "compute", "block forward", 0, 1.0, 2.0, args={"phase": "forward"}),
+        Event(0, "compute", "model backward", 0, 6.0, 12.0, args={"phase": "backward"}),
+        Event(0, "compute", "optimizer_step", 0, 14.0, 16.0, args={"phase": "optimizer"}),
+        Event(0, "comm", "all_gather", 8, 3.0, 8.0, "comm", {"group_size": 2}),
+        Event(0, "comm", "reduce_scatter", 8, 17.0, 18.0, "comm", {"group_size": 2}),
+    ])
+    row = tl.phase_summary()[0]
+    assert row == pytest.approx({"forward": 4.0, "backward": 6.0, "optimizer": 2.0, "other_compute": 0.0,
+                                 "exposed_comm": 3.0, "idle": 3.0, "window": 18.0})
+    assert sum(v for k, v in row.items() if k != "window") == pytest.approx(row["window"])
+    rows = tl.collective_summary()
+    assert rows[0]["algbw"] == pytest.approx(8 / 5.0) and rows[0]["busbw"] == pytest.approx(8 / 5.0 / 2)
+
+
+def test_plot_phase_breakdown_stacks_phases_per_run():
+    from fsdp_lab.viz import plot_phase_breakdown
+
+    fast = _timeline_of([Event(0, "compute", "f", 0, 0.0, 0.001, args={"phase": "forward"})])
+    slow = _timeline_of([Event(0, "compute", "f", 0, 0.0, 0.003, args={"phase": "forward"})])
+    ax = plot_phase_breakdown({"fast": fast, "slow": slow})
+    forward_widths = [p.get_width() for p in ax.patches[::6]]  # first patch of each run is forward
+    assert forward_widths == pytest.approx([1.0, 3.0])
+    with pytest.raises(ValueError):
+        plot_phase_breakdown({})

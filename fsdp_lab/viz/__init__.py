@@ -5,6 +5,6 @@ Plot functions never need a display and are tested headless; widgets live in
 """
 
 from fsdp_lab.viz.collective_plots import plot_collective
-from fsdp_lab.viz.timeline_plots import plot_timeline
+from fsdp_lab.viz.timeline_plots import plot_phase_breakdown, plot_timeline
 
-__all__ = ["plot_collective", "plot_timeline"]
+__all__ = ["plot_collective", "plot_phase_breakdown", "plot_timeline"]

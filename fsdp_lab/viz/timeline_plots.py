@@ -52,3 +52,40 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
     if title:
         ax.set_title(title)
     return ax
+
+
+_PHASES = ("forward", "backward", "optimizer", "other_compute", "exposed_comm", "idle")
+_PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B3",
+                 "other_compute": "#8C8C8C", "exposed_comm": "#C44E52", "idle": "#EEEEEE"}
+
+
+def plot_phase_breakdown(runs: dict, ax=None, *, rank: int | None = None, title: str | None = None):
+    """Stacked bars of time per phase, one bar per run (e.g. {"FSDP1": tl1, "FSDP2": tl2}).
+
+    ``runs`` maps a label to a Timeline or to its ``phase_summary()``. Bars show the mean
+    over ranks (or one ``rank``) in milliseconds. Returns the Axes; raises ValueError for
+    no runs.
+    """
+    if not runs:
+        raise ValueError("plot_phase_breakdown needs at least one run")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.9 + 0.6 * len(runs)))
+    labels = list(runs)
+    for y, label in enumerate(labels):
+        summary = runs[label]
+        summary = summary.phase_summary() if hasattr(summary, "phase_summary") else summary
+        rows = [summary[rank]] if rank is not None else list(summary.values())
+        left = 0.0
+        for phase in _PHASES:
+            ms = 1e3 * sum(r[phase] for r in rows) / len(rows)
+            ax.barh(y, ms, left=left, color=_PHASE_COLORS[phase], edgecolor="white",
+                    label=phase if y == 0 else None)
+            left += ms
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("time per rank (ms)")
+    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    if title:
+        ax.set_title(title)
+    return ax

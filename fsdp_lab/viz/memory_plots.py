@@ -1,0 +1,126 @@
+"""Memory figures: stacked category bars, memory over one step, estimate vs measured.
+
+All take ``ax=None`` (a new figure is made) and return the Axes; pure matplotlib, no display
+needed. Inputs are plain ``{category: bytes}`` dicts, so measured (MemoryTracker) and estimated
+(``estimate(...).bytes``) breakdowns plot the same way.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from fsdp_lab.memory.tags import CATEGORIES
+
+# one fixed colour per category, the same in every figure
+COLORS = {
+    "params": "#4C72B0", "sharded_params": "#7A9CD0", "unsharded_params": "#2A4A80",
+    "grads": "#55A868", "sharded_grads": "#8FCB9B", "unsharded_grads": "#2F7040",
+    "optimizer_state": "#C44E52", "activations": "#DD8452", "temporaries": "#CCB974",
+    "comm_buffers": "#8172B3", "quantized": "#937860", "other": "#8C8C8C",
+}
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
+
+
+def _values(breakdown) -> dict[str, int]:
+    values = getattr(breakdown, "bytes", breakdown)
+    unknown = set(values) - set(CATEGORIES)
+    if unknown:
+        raise ValueError(f"unknown memory categories {sorted(unknown)}; use names from fsdp_lab.memory.CATEGORIES")
+    return values
+
+
+def _used(dicts) -> list[str]:
+    return [c for c in CATEGORIES if any(d.get(c, 0) for d in dicts)]
+
+
+def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None = None, hatch=None):
+    """Stacked bars, one per breakdown: ``breakdowns`` is {label: {category: bytes} or Breakdown}
+    (e.g. per rank or per strategy) or a list (labelled 0, 1, ...). Returns the Axes.
+
+    Raises ValueError for an empty input, an unknown category or unit.
+    """
+    if not breakdowns:
+        raise ValueError("plot_breakdown needs at least one breakdown")
+    if not isinstance(breakdowns, dict):
+        breakdowns = {str(i): b for i, b in enumerate(breakdowns)}
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    values = {label: _values(b) for label, b in breakdowns.items()}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(4, 1.2 * len(values) + 3), 4))
+    labels = list(values)
+    bottoms = [0.0] * len(labels)
+    for cat in _used(values.values()):
+        heights = [values[l].get(cat, 0) / UNITS[unit] for l in labels]
+        ax.bar(labels, heights, bottom=bottoms, color=COLORS[cat], label=cat, hatch=hatch, edgecolor="white")
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(title or "memory by category")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+
+def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None = None, label_every: int = 0):
+    """Stacked area of categories over the phase boundaries of a MemoryTracker timeline
+    (``[(label, {category: bytes})]``, e.g. ``mt.timeline()`` or ``result.timeline``).
+
+    ``label_every`` > 0 writes every n-th phase label on the x axis. Returns the Axes.
+    Raises ValueError for an empty timeline.
+    """
+    if not timeline:
+        raise ValueError("plot_memory_curve needs a non-empty timeline [(label, {category: bytes})]")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 4))
+    snaps = [_values(s) for _, s in timeline]
+    xs = list(range(len(snaps)))
+    cats = _used(snaps)
+    ax.stackplot(xs, *[[s.get(c, 0) / UNITS[unit] for s in snaps] for c in cats],
+                 labels=cats, colors=[COLORS[c] for c in cats], step="post")
+    # shade the backward phase so the shape of a step reads at a glance
+    back = [i for i, (label, _) in enumerate(timeline) if label.startswith("backward")]
+    if back:
+        ax.axvspan(back[0], back[-1], color="black", alpha=0.06, lw=0)
+        ax.text(back[0], ax.get_ylim()[1] * 0.97, " backward", va="top", fontsize=8)
+    if label_every:
+        ticks = xs[::label_every]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([timeline[i][0] for i in ticks], rotation=60, ha="right", fontsize=7)
+    else:
+        ax.set_xlabel("phase boundary (forward/backward per module, optimizer step)")
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(title or "memory over one step")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
+
+
+def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB", title: str | None = None):
+    """Per category, side by side: estimated (solid) and measured (hatched) bytes.
+
+    ``estimated``/``measured`` are {category: bytes} (or Breakdown); or dicts {label: ...} of
+    them to compare several configurations (one group of two stacked bars per label).
+    Returns the Axes.
+    """
+    if isinstance(estimated, dict) and estimated and all(not isinstance(v, (int, float)) for v in estimated.values()) \
+            and set(estimated) - set(CATEGORIES):
+        labels = list(estimated)
+    else:
+        labels, estimated, measured = [""], {"": estimated}, {"": measured}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(5, 2.0 * len(labels) + 3), 4))
+    est = {l: _values(estimated[l]) for l in labels}
+    mea = {l: _values(measured[l]) for l in labels}
+    cats = _used(list(est.values()) + list(mea.values()))
+    width = 0.38
+    for offset, source, hatch in ((-width / 2, est, None), (width / 2, mea, "//")):
+        bottoms = [0.0] * len(labels)
+        for cat in cats:
+            heights = [source[l].get(cat, 0) / UNITS[unit] for l in labels]
+            ax.bar([i + offset for i in range(len(labels))], heights, width, bottom=bottoms, color=COLORS[cat],
+                   hatch=hatch, edgecolor="white", label=cat if hatch is None else None)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels([f"{l}\nestimate | measured" if l else "estimate | measured" for l in labels], fontsize=8)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.set_title(title or "estimated vs measured")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return ax
