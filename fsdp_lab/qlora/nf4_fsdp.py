@@ -1,0 +1,264 @@
+"""FSDP2 support for ``NF4Tensor``: shard by whole blocks, all-gather packed bytes.
+
+PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) lets a tensor subclass choose
+what is all-gathered through two methods, ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather``; fsdp_lab's FSDP2 calls the same two, plus ``fsdp_shard`` (ours)
+to cut the weight into per-rank shards. For NF4 the all-gather moves the packed codes
+and the scale data, about numel/2 + numel/64 bytes, instead of 2*numel bytes of bf16.
+
+How a weight is cut. Let the weight have N values in n_blocks = ceil(N / block_size)
+blocks (row-major order, last block padded). Each of the W ranks holds
+blocks_per_rank = ceil(n_blocks / W) consecutive blocks: rank r holds blocks
+[r * blocks_per_rank, (r + 1) * blocks_per_rank), and the ranks at the end, whose range
+runs past n_blocks, fill it with empty blocks (codes 7 = 0.0, scale 0). So rank r holds
+the flat values [r * blocks_per_rank * block_size, ...) of the weight, which need not start
+at a row boundary: a shard reports the nominal shape (ceil(rows / W), *rest) that FSDP2
+expects of a dim-0 shard, but it has no row view; rows exist only after the all-gather.
+Every rank holds the same number of packed bytes and scales, so the all-gather inputs
+have equal sizes and the gathered buffers are the blocks of the weight in order (plus
+the empty blocks at the end, which are dropped when dequantizing).
+
+Double quantization groups (scaler_block_size consecutive block scales share one float32
+factor) can straddle two ranks. Each rank carries the factors of every group its blocks
+touch: groups_per_rank = the most groups any rank's block range touches (padded with
+factor 1.0), plus the float32 mean of all scales. After the all-gather, group g's factor
+is read from the rank that holds block g * scaler_block_size. This costs at most one
+extra float32 per rank and keeps the gathered weight bit-identical to the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from fsdp_lab.qlora.nf4 import NF4_ZERO_CODE, n_blocks_for
+from fsdp_lab.qlora.nf4_tensor import NF4Layout, NF4Tensor, _tag_quantized
+
+_PAD_BYTE = (NF4_ZERO_CODE << 4) | NF4_ZERO_CODE
+
+
+@dataclasses.dataclass(frozen=True)
+class NF4ShardPlan:
+    """How a weight's blocks are spread over ``world_size`` ranks (see the module docstring)."""
+
+    n_blocks: int
+    world_size: int
+    blocks_per_rank: int
+    groups_per_rank: int  # double-quant factors carried by each rank (0 without double quant)
+
+    def first_block(self, rank: int) -> int:
+        return rank * self.blocks_per_rank
+
+
+def plan_shards(numel: int, block_size: int, scaler_block_size: int, double_quant: bool,
+                world_size: int) -> NF4ShardPlan:
+    """Blocks and double-quant groups per rank for a weight of ``numel`` values."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    n_blocks = n_blocks_for(numel, block_size)
+    per_rank = math.ceil(n_blocks / world_size)
+    groups = 0
+    if double_quant:
+        starts = [r * per_rank for r in range(world_size)]
+        groups = max((s + per_rank - 1) // scaler_block_size - s // scaler_block_size + 1 for s in starts)
+    return NF4ShardPlan(n_blocks, world_size, per_rank, groups)
+
+
+def all_gather_bytes(plan: NF4ShardPlan, block_size: int, double_quant: bool) -> int:
+    """Bytes one all-gather of the weight writes into each rank's output buffers.
+
+    world_size * (packed bytes + scales + [float32 factors and mean]) per rank's input.
+    """
+    per_rank = plan.blocks_per_rank * (block_size // 2)
+    if double_quant:
+        per_rank += plan.blocks_per_rank * 1 + (plan.groups_per_rank + 1) * 4
+    else:
+        per_rank += plan.blocks_per_rank * 4
+    return plan.world_size * per_rank
+
+
+def _padded(source: torch.Tensor, start: int, stop: int, length: int, fill) -> torch.Tensor:
+    """source[start:stop] (clipped to source) copied into a new tensor of ``length``, rest = fill."""
+    out = torch.full((length,), fill, dtype=source.dtype, device=source.device)
+    piece = source[start:min(stop, source.numel())] if start < source.numel() else source[:0]
+    out[: piece.numel()].copy_(piece)
+    return out
+
+
+def shard(weight: NF4Tensor, rank: int, world_size: int) -> NF4Tensor:
+    """Rank ``rank``'s shard of a whole NF4 weight (see the module docstring for the layout).
+
+    Raises ValueError for a shard of a shard or a rank outside [0, world_size).
+    """
+    lo = weight.nf4_layout
+    if lo.is_shard:
+        raise ValueError(f"{weight!r} is already a shard; shard the whole weight")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    plan = plan_shards(lo.numel, lo.block_size, lo.scaler_block_size, lo.double_quant, world_size)
+    start = plan.first_block(rank)
+    stop = min(start + plan.blocks_per_rank, plan.n_blocks)
+    half = lo.block_size // 2
+    packed = _padded(weight.packed, start * half, stop * half, plan.blocks_per_rank * half, _PAD_BYTE)
+    scales = _padded(weight.scales, start, stop, plan.blocks_per_rank, 0)
+    if lo.double_quant:
+        first_group = start // lo.scaler_block_size
+        factors = _padded(weight.scale_factors, first_group, first_group + plan.groups_per_rank,
+                          plan.groups_per_rank, 1.0)
+        mean = weight.scale_mean.clone()
+    else:
+        factors, mean = weight.scale_factors.clone(), weight.scale_mean.clone()
+    _tag_quantized(packed, scales, factors, mean)
+    held = min(lo.numel, (start + plan.blocks_per_rank) * lo.block_size) - start * lo.block_size
+    rows = lo.shape[0]
+    layout = dataclasses.replace(
+        lo, shape=(math.ceil(rows / world_size), *lo.shape[1:]), numel=max(0, held),
+        first_block=start, full_shape=lo.shape, rank=rank, world_size=world_size,
+    )
+    return NF4Tensor(packed, scales, factors, mean, layout)
+
+
+def pre_all_gather(local: NF4Tensor, mesh=None) -> tuple[tuple[torch.Tensor, ...], NF4Layout]:
+    """The all-gather inputs of a shard: ``(packed, scales[, factors + mean])`` and metadata.
+
+    Each input has the same numel on every rank. Raises ValueError if ``local`` is not a
+    shard or the mesh size differs from the world size the shard was cut for.
+    """
+    lo = local.nf4_layout
+    if not lo.is_shard:
+        raise ValueError(f"{local!r} is not an FSDP shard; create shards with fsdp_shard(rank, world_size)")
+    if mesh is not None and mesh.size() != lo.world_size:
+        raise ValueError(f"shard was cut for world size {lo.world_size}, but the mesh has {mesh.size()} ranks")
+    if lo.double_quant:
+        return (local.packed, local.scales, torch.cat([local.scale_factors, local.scale_mean])), lo
+    return (local.packed, local.scales), lo
+
+
+def post_all_gather(all_gather_outputs, metadata: NF4Layout, param_dtype, *, out=None):
+    """The whole weight from the gathered shards (each output = all ranks' inputs in rank order).
+
+    Returns ``(NF4Tensor of the full shape in param_dtype, its inner tensors)``; the packed
+    codes and scales are the all-gather outputs themselves (no copy; padding blocks stay at
+    the end and are skipped when dequantizing). With ``out`` (an NF4Tensor returned by an
+    earlier call) fills it in place and returns None. The gathered codes and scales keep
+    the memory tag the caller gave its all-gather buffers; only the small factor and mean
+    tensors made here are tagged ``quantized``. Raises ValueError on sizes that do not
+    match the metadata.
+    """
+    lo = metadata
+    full_numel = math.prod(lo.full_shape)
+    plan = plan_shards(full_numel, lo.block_size, lo.scaler_block_size, lo.double_quant, lo.world_size)
+    half = lo.block_size // 2
+    packed, scales = all_gather_outputs[0].reshape(-1), all_gather_outputs[1].reshape(-1)
+    expected = (lo.world_size * plan.blocks_per_rank * half, lo.world_size * plan.blocks_per_rank)
+    if (packed.numel(), scales.numel()) != expected:
+        raise ValueError(
+            f"all-gather outputs hold {packed.numel()} bytes and {scales.numel()} scales; "
+            f"a {list(lo.full_shape)} NF4 weight over {lo.world_size} ranks needs {expected}"
+        )
+    if lo.double_quant:
+        per_rank = plan.groups_per_rank + 1  # factors, then the mean
+        gathered = all_gather_outputs[2].reshape(lo.world_size, per_rank)
+        group = torch.arange(math.ceil(plan.n_blocks / lo.scaler_block_size), device=packed.device)
+        owner = group * lo.scaler_block_size // plan.blocks_per_rank
+        local_group = group - owner * plan.blocks_per_rank // lo.scaler_block_size
+        factors = gathered.reshape(-1).index_select(0, owner * per_rank + local_group)
+        mean = gathered[0, plan.groups_per_rank:].clone()
+    else:
+        factors, mean = packed.new_empty(0, dtype=torch.float32), packed.new_empty(0, dtype=torch.float32)
+    _tag_quantized(factors, mean)
+    full = dataclasses.replace(
+        lo, shape=lo.full_shape, dtype=param_dtype or lo.dtype, numel=full_numel,
+        first_block=0, full_shape=None, rank=0, world_size=1,
+    )
+    inner = (packed, scales, factors, mean)
+    if out is None:
+        return NF4Tensor(*inner, full), inner
+    if not isinstance(out, NF4Tensor) or dataclasses.replace(out.nf4_layout, dtype=full.dtype) != full:
+        raise ValueError(f"out must be the NF4Tensor an earlier fsdp_post_all_gather returned, got {out!r}")
+    for name, new in zip(("packed", "scales", "scale_factors", "scale_mean"), inner):
+        current = getattr(out, name)
+        storage = current.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() == new.untyped_storage().data_ptr():
+            continue  # out already views this all-gather output (torch's FSDP2 reuses buffers)
+        if storage.nbytes() == new.numel() * new.element_size() and current.shape == new.shape:
+            current.copy_(new)
+        else:
+            setattr(out, name, new)  # freed or different buffer: point out at the new data
+    return None
+
+
+# -- torch.distributed.fsdp.fully_shard compatibility ------------------------------------
+# torch's FSDP2 cuts a parameter itself, by rows: torch.chunk (aten.split), new_zeros for the
+# padded shard, narrow + copy_, view(-1), and as_strided on the gathered result. Row chunks
+# and our block shards coincide only when the rows split evenly and every chunk holds whole
+# blocks (and whole double-quant groups); those aten ops are supported for exactly that case
+# (the same condition torchao imposes), so torch's FSDP2 can drive the hooks above.
+# fsdp_lab's own FSDP2 calls fsdp_shard and needs none of this.
+def _row_chunks_align(weight: NF4Tensor, rows_per_chunk: int) -> bool:
+    lo = weight.nf4_layout
+    rows = lo.shape[0]
+    values = rows_per_chunk * (lo.numel // rows if rows else 0)
+    unit = lo.block_size * (lo.scaler_block_size if lo.double_quant else 1)
+    return rows > 0 and rows % rows_per_chunk == 0 and values % unit == 0
+
+
+def _refuse(what: str, weight: NF4Tensor):
+    lo = weight.nf4_layout
+    unit = lo.block_size * (lo.scaler_block_size if lo.double_quant else 1)
+    raise NotImplementedError(
+        f"{what} on {weight!r}: torch's fully_shard cuts rows, which works for NF4 only when the "
+        f"rows split evenly over the ranks and each rank's rows hold a multiple of {unit} values. "
+        "fsdp_lab.fsdp2.fully_shard shards NF4 weights by blocks and has no such limit."
+    )
+
+
+def _split(weight: NF4Tensor, split_size: int, dim: int = 0):
+    if dim != 0 or weight.is_shard or not _row_chunks_align(weight, split_size):
+        _refuse(f"split(split_size={split_size}, dim={dim})", weight)
+    world_size = weight.shape[0] // split_size
+    return [shard(weight, rank, world_size) for rank in range(world_size)]
+
+
+def _new_zeros(weight: NF4Tensor, size, dtype=None, layout=None, device=None, pin_memory=None):
+    size = tuple(size)
+    if weight.is_shard or size[1:] != tuple(weight.shape[1:]) or not _row_chunks_align(weight, size[0]):
+        _refuse(f"new_zeros({list(size)})", weight)
+    blank = shard(weight, 0, weight.shape[0] // size[0])
+    blank.packed.fill_(_PAD_BYTE)
+    blank.scales.zero_()
+    return blank
+
+
+def _alias_with_shape(weight: NF4Tensor, shape) -> NF4Tensor:
+    return weight._with_inner(lambda t: t, shape=tuple(shape))
+
+
+def _slice(weight: NF4Tensor, dim=0, start=None, end=None, step=1):
+    rows = weight.shape[dim] if weight.dim() else 0
+    start, end = start or 0, rows if end is None else min(end, rows)
+    if dim != 0 or start != 0 or end != rows or step != 1:
+        _refuse(f"slice(dim={dim}, start={start}, end={end})", weight)
+    return _alias_with_shape(weight, weight.shape)
+
+
+def _view(weight: NF4Tensor, size):
+    # A row-major reshape of the same values: only the reported shape changes.
+    return _alias_with_shape(weight, torch.empty(weight.shape, device="meta").view(size).shape)
+
+
+def _as_strided(weight: NF4Tensor, size, stride, storage_offset=0):
+    if tuple(size) != tuple(weight.shape) or tuple(stride) != weight.stride() or storage_offset:
+        _refuse(f"as_strided(size={list(size)}, stride={list(stride)})", weight)
+    return _alias_with_shape(weight, weight.shape)
+
+
+TORCH_FSDP2_OPS = {
+    torch.ops.aten.split.Tensor: _split,
+    torch.ops.aten.new_zeros.default: _new_zeros,
+    torch.ops.aten.slice.Tensor: _slice,
+    torch.ops.aten.view.default: _view,
+    torch.ops.aten.as_strided.default: _as_strided,
+}

@@ -1,0 +1,381 @@
+"""``NF4Tensor``: a frozen 4-bit weight that looks like a float tensor to the model.
+
+The tensor reports the original shape, dtype and device but owns no float storage;
+its data are four inner tensors (see ``nf4.py`` for the format):
+
+    packed         uint8   two codes per byte, n_blocks * block_size / 2 bytes
+    scales         int8 (double quant) or float32, one per block
+    scale_factors  float32, one per group of scaler_block_size scales (double quant only)
+    scale_mean     float32, shape (1,) (double quant only)
+
+Two hooks see it: ``__torch_function__`` routes ``F.linear`` to a dequantize-then-matmul
+autograd function whose backward gives input gradients and no weight gradient; the
+aten ops that moving and saving a weight needs (detach, clone, ``_to_copy``, ``copy_``,
+pinning) are handled in ``__torch_dispatch__``, and so are the row-chunk ops PyTorch's
+``fully_shard`` uses (split, new_zeros, slice, view, as_strided; see ``nf4_fsdp.py``);
+every other aten op raises NotImplementedError. FSDP2 support (shard by whole blocks,
+all-gather packed bytes) is in ``nf4_fsdp.py`` and exposed as the ``fsdp_*`` methods below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_lab.qlora.nf4 import (
+    dequantize_nf4_blocks,
+    dequantize_nf4_blocks_fused,
+    dequantize_scales,
+    double_quantize_scales,
+    quantize_nf4_blocks,
+)
+
+try:
+    from fsdp_lab.memory.tags import tag as _tag
+except ImportError:  # the memory package is optional for NF4 itself
+    _tag = None
+
+aten = torch.ops.aten
+INNER_TENSORS = ("packed", "scales", "scale_factors", "scale_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class NF4Layout:
+    """Everything but the bytes: how to read the inner tensors.
+
+    ``numel`` is how many values this tensor holds: the product of ``shape`` for a whole
+    weight; for an FSDP shard, its part of the flattened weight (see ``nf4_fsdp.py``).
+    ``first_block`` is the global index of the first block held (0 unless a shard).
+    ``full_shape`` is set only on shards: the shape of the whole weight.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_size: int
+    scaler_block_size: int
+    double_quant: bool
+    numel: int
+    first_block: int = 0
+    full_shape: tuple[int, ...] | None = None
+    rank: int = 0
+    world_size: int = 1
+    compile: bool | None = None
+
+    @property
+    def is_shard(self) -> bool:
+        return self.full_shape is not None
+
+
+def _tag_quantized(*tensors: torch.Tensor) -> None:
+    if _tag is not None:
+        for t in tensors:
+            if t.numel():
+                _tag(t, "quantized")
+
+
+class NF4Tensor(torch.Tensor):
+    """A frozen NF4-quantized weight (torchao's ``NF4Tensor``, with padding and our FSDP hooks).
+
+    Build one with ``to_nf4(t)``. ``dequantize(dtype)`` and ``.to(dtype)`` give a plain
+    tensor; ``.to(device)``, ``detach``, ``clone``, ``copy_`` and pickling keep it
+    quantized. Use it as a parameter with ``nn.Parameter(nf4, requires_grad=False)``.
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    scale_factors: torch.Tensor
+    scale_mean: torch.Tensor
+    nf4_layout: NF4Layout
+
+    @staticmethod
+    def __new__(cls, packed, scales, scale_factors, scale_mean, layout: NF4Layout):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, layout.shape, dtype=layout.dtype, device=packed.device, requires_grad=False
+        )
+
+    def __init__(self, packed, scales, scale_factors, scale_mean, layout: NF4Layout):
+        self.packed = packed
+        self.scales = scales
+        self.scale_factors = scale_factors
+        self.scale_mean = scale_mean
+        self.nf4_layout = layout
+
+    # -- construction ---------------------------------------------------------------
+    @classmethod
+    def from_float(cls, tensor: torch.Tensor, block_size: int = 64, scaler_block_size: int = 256,
+                   double_quant: bool = True, compile: bool | None = None) -> "NF4Tensor":
+        """Quantize ``tensor`` (see ``to_nf4``). Raises ValueError on a non-float or 0-d input."""
+        if isinstance(tensor, NF4Tensor):
+            raise ValueError("tensor is already an NF4Tensor; dequantize() it first to re-quantize")
+        if not tensor.is_floating_point():
+            raise ValueError(f"to_nf4 needs a floating-point tensor, got {tensor.dtype}")
+        if tensor.dim() == 0:
+            raise ValueError("to_nf4 needs at least one dimension; reshape a scalar to (1,)")
+        packed, absmax = quantize_nf4_blocks(tensor, block_size)
+        if double_quant:
+            scales, factors, mean = double_quantize_scales(absmax, scaler_block_size)
+        else:
+            scales, factors, mean = absmax, absmax.new_empty(0), absmax.new_empty(0)
+        _tag_quantized(packed, scales, factors, mean)
+        layout = NF4Layout(tuple(tensor.shape), tensor.dtype, block_size, scaler_block_size,
+                           double_quant, tensor.numel(), compile=compile)
+        return cls(packed, scales, factors, mean, layout)
+
+    def _with_inner(self, fn, **layout_changes) -> "NF4Tensor":
+        """A new NF4Tensor whose inner tensors are ``fn(inner)``."""
+        inner = [fn(getattr(self, name)) for name in INNER_TENSORS]
+        return NF4Tensor(*inner, dataclasses.replace(self.nf4_layout, **layout_changes))
+
+    # -- reading --------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.nf4_layout.block_size
+
+    @property
+    def scaler_block_size(self) -> int:
+        return self.nf4_layout.scaler_block_size
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nf4_layout.double_quant
+
+    @property
+    def is_shard(self) -> bool:
+        return self.nf4_layout.is_shard
+
+    def storage_bytes(self) -> int:
+        """Bytes held by the inner tensors (codes, scales, factors, mean)."""
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in INNER_TENSORS)
+
+    def block_scales(self) -> torch.Tensor:
+        """The float32 scale of every block that holds values (decoded if double-quantized).
+
+        Padding blocks (an FSDP shard's tail, or those kept after an all-gather) are left out.
+        """
+        n_blocks = math.ceil(self.nf4_layout.numel / self.block_size)
+        if not self.double_quant:
+            return self.scales[:n_blocks].float()
+        return dequantize_scales(self.scales[:n_blocks], self.scale_factors, self.scale_mean,
+                                 self.scaler_block_size, self.nf4_layout.first_block)
+
+    def dequantize_flat(self, dtype: torch.dtype | None = None, compile: bool | None = None) -> torch.Tensor:
+        """The values this tensor holds, 1-D, padding dropped (works on shards too)."""
+        dtype = dtype or self.dtype
+        n_blocks = math.ceil(self.nf4_layout.numel / self.block_size)
+        scales = self.block_scales()
+        packed = self.packed[: n_blocks * self.block_size // 2]
+        use_compile = compile if compile is not None else self.nf4_layout.compile
+        if use_compile is None:
+            use_compile = self.device.type == "cuda"
+        if use_compile:
+            flat = _compiled_dequantize()(packed, scales, self.block_size, dtype)
+        else:
+            flat = dequantize_nf4_blocks(packed, scales, self.block_size, dtype=dtype)
+        return flat[: self.nf4_layout.numel]
+
+    def dequantize(self, dtype: torch.dtype | None = None, compile: bool | None = None) -> torch.Tensor:
+        """A plain tensor of the original shape, in ``dtype`` (default: this tensor's dtype).
+
+        Each value is computed in float32 (code value times block scale) and rounded once
+        to ``dtype``. ``compile``: use the ``torch.compile``d kernel (default: on CUDA).
+        Raises RuntimeError on an FSDP shard, which holds blocks, not rows.
+        """
+        if self.is_shard:
+            lo = self.nf4_layout
+            raise RuntimeError(
+                f"this NF4Tensor is rank {lo.rank}'s FSDP shard of a {list(lo.full_shape)} weight: "
+                "it holds whole quantization blocks of the flattened weight, not rows, so it has "
+                "no row view. All-gather it (fsdp_pre_all_gather/fsdp_post_all_gather) and "
+                "dequantize the result, or call dequantize_flat() for the values it holds."
+            )
+        return self.dequantize_flat(dtype, compile).view(self.shape)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        lo = self.nf4_layout
+        shard = f", shard {lo.rank}/{lo.world_size} of {list(lo.full_shape)}" if lo.is_shard else ""
+        return (f"NF4Tensor(shape={list(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"block_size={lo.block_size}, double_quant={lo.double_quant}, "
+                f"bytes={self.storage_bytes()}{shard})")
+
+    # -- subclass protocol ----------------------------------------------------------
+    def __tensor_flatten__(self):
+        return list(INNER_TENSORS), self.nf4_layout
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, layout, outer_size, outer_stride):
+        return NF4Tensor(*(inner_tensors[name] for name in INNER_TENSORS), layout)
+
+    def __reduce_ex__(self, protocol):
+        # Plain tuples and tensors only, so torch.load(weights_only=True) can read it once
+        # _rebuild_nf4 is allow-listed (done at the bottom of this file).
+        inner = tuple(getattr(self, name) for name in INNER_TENSORS)
+        fields = tuple(getattr(self.nf4_layout, f.name) for f in dataclasses.fields(NF4Layout))
+        return _rebuild_nf4, (inner, fields)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return nf4_linear(*args, **kwargs)
+        if func is torch._has_compatible_shallow_copy_type:
+            # Module._apply (model.to, .float(), ...) would otherwise assign the converted tensor
+            # to param.data, leaving a wrapper that claims a new dtype over the old bytes. With
+            # False it replaces the parameter: NF4 -> NF4 for a device move, plain for a dtype change.
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _DISPATCH.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"NF4Tensor does not support {func}: it is a frozen quantized weight. "
+                "Call .dequantize() for a plain tensor, or use it through F.linear."
+            )
+        return handler(*args, **kwargs)
+
+    # -- FSDP2 all-gather extension (see nf4_fsdp.py) -------------------------------
+    def fsdp_shard(self, rank: int, world_size: int) -> "NF4Tensor":
+        """This rank's shard: whole blocks of the flattened weight, padded to equal size."""
+        from fsdp_lab.qlora import nf4_fsdp
+
+        return nf4_fsdp.shard(self, rank, world_size)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """``(tensors to all-gather, metadata)``: packed codes and scale data, no floats of the weight."""
+        from fsdp_lab.qlora import nf4_fsdp
+
+        return nf4_fsdp.pre_all_gather(self, mesh)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """``(unsharded NF4Tensor, inner tensors)`` from the gathered bytes, or fill ``out``."""
+        from fsdp_lab.qlora import nf4_fsdp
+
+        return nf4_fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
+
+def _rebuild_nf4(inner, fields) -> NF4Tensor:
+    return NF4Tensor(*inner, NF4Layout(*fields))
+
+
+_compiled = None
+
+
+def _compiled_dequantize():
+    global _compiled
+    if _compiled is None:
+        # Default dynamic=None: a second shape recompiles once with dynamic sizes, so a model
+        # with many layer shapes does not compile once per shape.
+        _compiled = torch.compile(dequantize_nf4_blocks_fused)
+    return _compiled
+
+
+# -- F.linear ------------------------------------------------------------------------
+class _NF4Linear(torch.autograd.Function):
+    """y = x W^T + b with W dequantized on the fly, in forward and again in backward.
+
+    Only the NF4Tensor is kept for backward (no float copy of W stays alive); the weight
+    is frozen, so backward returns no weight gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight: NF4Tensor, bias):
+        ctx.weight = weight
+        ctx.bias_needs_grad = bias is not None and bias.requires_grad
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = grad_out @ ctx.weight.dequantize(grad_out.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.bias_needs_grad else None
+        return grad_x, None, grad_bias
+
+
+def nf4_linear(input: torch.Tensor, weight: NF4Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with an NF4 weight (dequantized to ``input.dtype``); no weight gradient."""
+    if not isinstance(weight, NF4Tensor):
+        raise TypeError(f"nf4_linear needs an NF4Tensor weight, got {type(weight).__name__}")
+    return _NF4Linear.apply(input, weight, bias)
+
+
+# -- aten ops --------------------------------------------------------------------------
+def _detach(self: NF4Tensor) -> NF4Tensor:
+    return self._with_inner(lambda t: t)
+
+
+def _clone(self: NF4Tensor, memory_format=None) -> NF4Tensor:
+    out = self._with_inner(torch.clone)
+    _tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
+    return out
+
+
+def _to_copy(self: NF4Tensor, dtype=None, layout=None, device=None, pin_memory=None,
+             non_blocking=False, memory_format=None):
+    if layout not in (None, torch.strided):
+        raise NotImplementedError(f"NF4Tensor cannot be converted to layout {layout}")
+    if dtype is not None and dtype != self.dtype:
+        # A new dtype means a plain tensor: the float values of the weight.
+        plain = self.dequantize(dtype)
+        return plain.to(device, non_blocking=non_blocking) if device is not None else plain
+    device = device if device is not None else self.device
+    out = self._with_inner(lambda t: t.to(device, non_blocking=non_blocking, copy=True))
+    if pin_memory:
+        out = out._with_inner(torch.Tensor.pin_memory)
+    _tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
+    return out
+
+
+def _copy_(dst: NF4Tensor, src, non_blocking=False) -> NF4Tensor:
+    if not isinstance(src, NF4Tensor):
+        if dst.is_shard or tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"cannot copy a {list(src.shape)} tensor into {dst!r}")
+        lo = dst.nf4_layout
+        src = NF4Tensor.from_float(src.to(dst.device), lo.block_size, lo.scaler_block_size, lo.double_quant)
+    target = dataclasses.replace(dst.nf4_layout, dtype=src.dtype, compile=src.nf4_layout.compile)
+    if dst.is_shard and src.is_shard:
+        # A shard copied into another shard's buffer takes the source's place in the weight.
+        position = {k: getattr(src.nf4_layout, k) for k in ("first_block", "rank", "numel")}
+        target = dataclasses.replace(target, **position)
+    if target != src.nf4_layout or any(getattr(dst, n).shape != getattr(src, n).shape for n in INNER_TENSORS):
+        raise ValueError(
+            f"copy_ between NF4Tensors needs the same shape, block sizes and double_quant: "
+            f"{dst!r} <- {src!r}; re-quantize with to_nf4(src.dequantize(), ...) instead"
+        )
+    for name in INNER_TENSORS:
+        getattr(dst, name).copy_(getattr(src, name), non_blocking=non_blocking)
+    dst.nf4_layout = dataclasses.replace(target, dtype=dst.nf4_layout.dtype, compile=dst.nf4_layout.compile)
+    return dst
+
+
+def _is_pinned(self: NF4Tensor, device=None) -> bool:
+    return all(getattr(self, n).is_pinned() for n in INNER_TENSORS if getattr(self, n).numel())
+
+
+def _pin_memory(self: NF4Tensor, device=None) -> NF4Tensor:
+    return self._with_inner(torch.Tensor.pin_memory)
+
+
+_DISPATCH = {
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten.clone.default: _clone,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.is_pinned.default: _is_pinned,
+    aten._pin_memory.default: _pin_memory,
+}
+
+# Row-chunk ops that torch's own fully_shard uses (even, block-aligned chunks only).
+from fsdp_lab.qlora.nf4_fsdp import TORCH_FSDP2_OPS  # noqa: E402  (nf4_fsdp imports NF4Tensor)
+
+_DISPATCH.update(TORCH_FSDP2_OPS)
+
+# torch.load(weights_only=True) refuses unknown callables; these two are safe to rebuild.
+torch.serialization.add_safe_globals([_rebuild_nf4, NF4Tensor])
+
+__all__ = ["NF4Tensor", "NF4Layout", "nf4_linear"]
