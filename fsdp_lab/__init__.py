@@ -14,22 +14,34 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# ``launch`` is both a submodule and the function it defines. Binding the function here,
+# after the submodule is loaded, keeps ``fsdp_lab.launch`` the function even when other code
+# later runs ``import fsdp_lab.launch`` (a repeated import does not rebind the attribute).
+from fsdp_lab.launch import LaunchError, LaunchTimeout, launch  # noqa: E402
+
+# public name -> module that defines it, loaded on first use
 _EXPORTS = {
-    "launch": "fsdp_lab.launch",
-    "LaunchError": "fsdp_lab.launch",
-    "LaunchTimeout": "fsdp_lab.launch",
     "init_distributed": "fsdp_lab.dist",
     "simulated_world": "fsdp_lab.dist",
     "current_device": "fsdp_lab.dist",
     "Timeline": "fsdp_lab.timeline",
     "MixedPrecisionPolicy": "fsdp_lab.precision",
     "MixedPrecision": "fsdp_lab.precision",
+    "fully_shard": "fsdp_lab.fsdp2",
+    "FSDPModule": "fsdp_lab.fsdp2",
+    "CPUOffloadPolicy": "fsdp_lab.fsdp2",
+    "OffloadPolicy": "fsdp_lab.fsdp2",
+    "MemoryTracker": "fsdp_lab.memory",
+    "estimate": "fsdp_lab.memory",
+    "to_nf4": "fsdp_lab.qlora.nf4",
+    "NF4Tensor": "fsdp_lab.qlora.nf4_tensor",
+    "apply_lora": "fsdp_lab.qlora.lora",
+    "merge_lora": "fsdp_lab.qlora.lora",
 }
 _SUBMODULES = ("collectives", "dist", "timeline", "precision", "memory", "models", "viz",
                "fsdp1", "fsdp2", "qlora")
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = ["launch", "LaunchError", "LaunchTimeout"] + sorted(_EXPORTS) + list(_SUBMODULES)
 
 
 def __getattr__(name: str):

@@ -79,3 +79,11 @@ class Explorer:
 
     def _ipython_display_(self) -> None:
         display(self.widget)
+
+
+def __getattr__(name: str):
+    # MemoryExplorer lives beside the memory plots; reachable here as the labs' widget namespace.
+    if name == "MemoryExplorer":
+        from fsdp_lab.viz.memory_widgets import MemoryExplorer
+        return MemoryExplorer
+    raise AttributeError(f"module 'fsdp_lab.viz.widgets' has no attribute {name!r}")

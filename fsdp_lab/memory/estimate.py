@@ -1,0 +1,385 @@
+"""Estimate the peak memory of one training step of a Llama, per rank, without running it.
+
+Model states (parameters, gradients, optimizer state) are exact: they follow from the
+parameter shapes of the config and how each strategy shards them (rank 0's shard). Activations
+follow a per-layer formula for the Llama block of ``fsdp_lab.models.llama`` (below), exact for
+what autograd saves in that code. Transients (unsharded layers, gradients before
+reduce-scatter, the loss gradient, optimizer temporaries) are modelled per phase, and the peak
+is the largest phase.
+
+Activation formula. T = batch_size * seq_len tokens, d = dim, f = ffn_hidden, h = n_heads,
+V = vocab_size, L = n_layers, e = bytes of the compute dtype (RMSNorm computes in float32,
+the loss in float32, hence the 4s):
+
+    per RMSNorm   = 4*T*d (its float32 input) + 2*e*T*d (normalised and scaled output) + 4*T
+    per block     = 2 * RMSNorm
+                  + 4*e*T*d        (attention q, k, v, output saved by SDPA; k, v after repeat_interleave)
+                  + 4*T*h          (SDPA's float32 log-sum-exp)
+                  + e*T*d          (input of wo)
+                  + 4*e*T*f        (SwiGLU: w1 out, w3 out, silu(w1 out), their product)
+    whole model   = L * per block + RMSNorm (final; its output is the input of ``output``)
+                  + 4*T*V + 8*T (float32 log-softmax output and int64 labels kept by the loss)
+
+With activation checkpointing a block keeps only its input (e*T*d) and one block's full
+activations are recomputed at a time in backward. The loss gradient adds 8*T*V bytes
+(float32 gradients of log-probabilities and logits) at the start of backward. The logits
+themselves (e*T*V) count only while the caller holds the model output (assumed not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from fsdp_lab.memory.tags import CATEGORIES
+from fsdp_lab.models.llama import LlamaConfig, count_parameters
+
+STRATEGIES = ("ddp", "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_no_shard",
+              "fsdp1_hybrid_shard", "fsdp2")
+# optimizer -> (states per parameter in the parameter dtype, extra float32 bytes per parameter)
+OPTIMIZERS = {
+    "adamw": (2, 0),          # torch.optim.AdamW: exp_avg, exp_avg_sq like the parameter
+    "adamw_master": (0, 12),  # mixed precision (DeepSpeed's K=12): fp32 master, exp_avg, exp_avg_sq
+    "sgd": (0, 0),
+    "sgd_momentum": (1, 0),
+}
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """Bytes per category (all of ``CATEGORIES``) at the estimated peak of one rank.
+
+    ``phase`` names the phase where the peak falls; ``phases`` holds every phase's breakdown;
+    ``host`` holds what CPU offload keeps in host memory; ``notes`` the assumptions made.
+    """
+
+    bytes: dict[str, int]
+    phase: str = ""
+    phases: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    host: dict[str, int] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def __getitem__(self, category: str) -> int:
+        return self.bytes[category]
+
+    @property
+    def total(self) -> int:
+        """Sum over categories (bytes)."""
+        return sum(self.bytes.values())
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state on the device at the optimizer step
+        (bytes; the sharded ones under FSDP), as DeepSpeed's ZeRO formulas count them."""
+        at_step = self.phases.get("optimizer_step", self.bytes)
+        return sum(at_step[c] for c in ("params", "sharded_params", "grads", "sharded_grads",
+                                         "optimizer_state", "quantized"))
+
+    def table(self, unit: str = "GiB") -> str:
+        """Text table of the non-zero categories and the total in ``unit`` (B, KiB, MiB, GiB, GB)."""
+        scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}[unit]
+        rows = [f"{c:<18}{v / scale:>12.3f} {unit}" for c, v in self.bytes.items() if v]
+        rows.append(f"{'total':<18}{self.total / scale:>12.3f} {unit}   (peak phase: {self.phase})")
+        if self.host:
+            rows.append(f"{'host (offload)':<18}{sum(self.host.values()) / scale:>12.3f} {unit}")
+        return "\n".join(rows)
+
+
+def parameter_shapes(config: LlamaConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(unit, name, shape) of every parameter of ``Llama(config)``; unit is "root" or "layers.i"."""
+    d, hd, f = config.dim, config.head_dim, config.ffn_hidden
+    layer = [("attention.wq", (config.n_heads * hd, d)), ("attention.wk", (config.n_kv_heads * hd, d)),
+             ("attention.wv", (config.n_kv_heads * hd, d)), ("attention.wo", (d, config.n_heads * hd)),
+             ("feed_forward.w1", (f, d)), ("feed_forward.w3", (f, d)), ("feed_forward.w2", (d, f)),
+             ("attention_norm.weight", (d,)), ("ffn_norm.weight", (d,))]
+    shapes = [("root", "tok_embeddings.weight", (config.vocab_size, d))]
+    for i in range(config.n_layers):
+        shapes += [(f"layers.{i}", f"layers.{i}.{n}", s) for n, s in layer]
+    shapes.append(("root", "norm.weight", (d,)))
+    if not config.tie_embeddings:
+        shapes.append(("root", "output.weight", (config.vocab_size, d)))
+    return shapes
+
+
+def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=torch.float32,
+                     activation_checkpointing: bool = False, lora_rank: int = 0) -> dict[str, int]:
+    """Bytes saved for backward, by part: ``per_block``, ``blocks`` (all L), ``final_norm``,
+    ``loss`` (log-softmax output), ``total``; plus ``recompute`` (one block's activations
+    rebuilt in backward under checkpointing, else 0). Formula in the module docstring."""
+    e = torch.empty((), dtype=dtype).element_size()
+    T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
+    norm = 4 * T * d + 2 * e * T * d + 4 * T
+    block = 2 * norm + 4 * e * T * d + 4 * T * h + e * T * d + 4 * e * T * f
+    block += 7 * e * T * lora_rank  # LoRA: each adapted linear saves its A output for B
+    kept = e * T * d if activation_checkpointing else block
+    parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": norm,
+             "loss": 4 * T * V + 8 * T, "recompute": block if activation_checkpointing else 0,
+             "backward_transient": 2 * e * T * f}
+    parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"]
+    return parts
+
+
+def _bytes_of(dtype) -> int:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype (or its name), got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nf4_bytes(numel: int) -> int:
+    """NF4 storage of a weight: 4-bit codes, an int8 scale per 64 values, a 16-bit factor per
+    256 scales (double quantisation, as torchao's to_nf4)."""
+    blocks = math.ceil(numel / NF4_BLOCK)
+    return math.ceil(numel / 2) + blocks + 2 * math.ceil(blocks / NF4_SCALER_BLOCK)
+
+
+def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param_dtype=torch.float32,
+             grad_dtype=None, compute_dtype=None, optimizer: str = "adamw", batch_size: int,
+             seq_len: int, activation_checkpointing: bool = False, cpu_offload: bool = False,
+             qlora: bool = False, reshard_after_forward: bool = True, foreach: bool = False,
+             lora_rank: int = 8, shard_group_size: int | None = None) -> Breakdown:
+    """Estimated per-rank memory (bytes per category) at the peak of one training step.
+
+    Steady state: the step after the first (optimizer state exists; gradients were freed by
+    ``zero_grad(set_to_none=True)``). ``param_dtype`` is the dtype parameters are stored in,
+    ``grad_dtype`` (default param_dtype) that of gradients, ``compute_dtype`` (default
+    param_dtype) that of activations and of FSDP's unsharded parameters. ``batch_size`` is per
+    rank. ``foreach`` models the multi-tensor optimizer (the default on CUDA), which holds one
+    full-size temporary; the per-parameter loop (CPU default) holds the largest parameter's.
+    ``shard_group_size`` is the sharding group of ``fsdp1_hybrid_shard`` (default min(8, N)).
+    With ``qlora`` the block linears are frozen NF4 weights with trainable LoRA adapters of
+    rank ``lora_rank``; everything else is frozen in ``param_dtype``.
+
+    Raises ValueError for an unknown strategy/optimizer, bad sizes or non-float dtypes.
+    """
+    if isinstance(config, str):
+        config = LlamaConfig.from_name(config)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    p = _bytes_of(param_dtype)
+    g = _bytes_of(grad_dtype if grad_dtype is not None else param_dtype)
+    c = _bytes_of(compute_dtype if compute_dtype is not None else param_dtype)
+    compute = compute_dtype if compute_dtype is not None else param_dtype
+    compute = getattr(torch, compute) if isinstance(compute, str) else compute
+    n_states, master_bytes = OPTIMIZERS[optimizer]
+    notes = []
+
+    sharded = strategy in ("fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_hybrid_shard", "fsdp2")
+    shards = world_size
+    if strategy == "fsdp1_hybrid_shard":
+        shards = min(8, world_size) if shard_group_size is None else shard_group_size
+        if shard_group_size is not None and (shard_group_size < 1 or world_size % shard_group_size):
+            raise ValueError(f"shard_group_size ({shard_group_size}) must divide world_size ({world_size})")
+    flat = strategy.startswith("fsdp1")
+
+    # ---- parameters: which are trainable, which quantised, how each is sharded ----------
+    shapes = parameter_shapes(config)
+    units: dict[str, int] = {}
+    for unit, _, shape in shapes:
+        units[unit] = units.get(unit, 0) + math.prod(shape)
+    trainable, frozen, quant_numel, quant_bytes = [], [], 0, 0
+    for unit, name, shape in shapes:
+        leaf = name.split(".")[-1]
+        if qlora and unit != "root" and leaf in LORA_TARGETS:
+            quant_numel += math.prod(shape)
+            quant_bytes += _nf4_bytes(math.prod(shape))
+            out_f, in_f = shape
+            trainable += [(unit, (lora_rank, in_f)), (unit, (out_f, lora_rank))]
+        elif qlora:
+            frozen.append((unit, shape))
+        else:
+            trainable.append((unit, shape))
+    if qlora:
+        notes.append(f"QLoRA: NF4 block {NF4_BLOCK}, scaler block {NF4_SCALER_BLOCK}; LoRA rank "
+                     f"{lora_rank} on {', '.join(LORA_TARGETS)}")
+
+    def shard_numel(items) -> int:
+        """Rank 0's share of the elements of ``items`` [(unit, shape)] under the strategy."""
+        if not sharded:
+            return sum(math.prod(s) for _, s in items)
+        if flat:  # one flat parameter per unit, padded to a multiple of the group size
+            per_unit: dict[str, int] = {}
+            for unit, s in items:
+                per_unit[unit] = per_unit.get(unit, 0) + math.prod(s)
+            return sum(math.ceil(n / shards) for n in per_unit.values())
+        # FSDP2: every parameter is chunked on dim 0; rank 0 holds ceil(dim0 / N) rows
+        return sum(math.ceil(s[0] / shards) * math.prod(s[1:]) for _, s in items)
+
+    # one optimizer "step" tensor per parameter (FSDP1 with use_orig_params=True, the default,
+    # also hands the optimizer the original parameters, not the flat ones)
+    n_trainable_tensors = len(trainable)
+    train_numel = shard_numel(trainable)
+    frozen_numel = shard_numel(frozen)
+    quant_local = quant_bytes if not sharded else math.ceil(quant_bytes / shards)
+    full_train = sum(math.prod(s) for _, s in trainable)
+
+    param_cat, grad_cat = ("sharded_params", "sharded_grads") if sharded else ("params", "grads")
+    steady = dict.fromkeys(CATEGORIES, 0)
+    steady[param_cat] = (train_numel + frozen_numel) * p
+    steady["quantized"] = quant_local
+    steady["optimizer_state"] = train_numel * (n_states * p + master_bytes)
+    if optimizer != "sgd" and optimizer != "sgd_momentum":
+        steady["optimizer_state"] += 4 * n_trainable_tensors  # AdamW's float32 "step" per tensor
+    grads = train_numel * g
+    rope = 2 * config.max_seq_len * (config.head_dim // 2) * 4
+    tokens = batch_size * seq_len
+    steady["other"] = rope + 8 * tokens  # rotary tables, input ids (int64)
+
+    host = {}
+    if cpu_offload:
+        if not sharded:
+            raise ValueError("cpu_offload is modelled for the sharded strategies (fsdp1_*_shard, fsdp2); "
+                             "use one of those or cpu_offload=False")
+        host = {param_cat: steady[param_cat], grad_cat: grads, "optimizer_state": steady["optimizer_state"]}
+        steady[param_cat] = steady["optimizer_state"] = 0
+        notes.append("CPU offload: sharded parameters, gradients and optimizer state live in host memory")
+
+    acts = activation_bytes(config, batch_size, seq_len, compute, activation_checkpointing,
+                            lora_rank if qlora else 0)
+    loss_grad = 8 * tokens * config.vocab_size
+    largest_train = max((math.prod(s) for _, s in trainable), default=0)
+    opt_temp = (train_numel if foreach else (math.ceil(largest_train / shards) if sharded and not flat
+                                             else largest_train)) * max(p, 4 if master_bytes else p)
+    if optimizer.startswith("sgd"):
+        opt_temp = 0
+
+    # ---- phases ----------------------------------------------------------------------------
+    phases: dict[str, dict[str, int]] = {"steady": dict(steady)}
+    grads_on_device = 0 if cpu_offload else grads
+
+    def phase(**extra) -> dict[str, int]:
+        out = dict(steady)
+        for k, v in extra.items():
+            out[k] += v
+        return out
+
+    layer_numel = max((n for u, n in units.items() if u != "root"), default=0)
+    root_numel = units["root"]
+    # backward starts with the output projection: its (and the final norm's) gradient exists
+    # while every block's activations are still alive; later blocks free more activations
+    # than their gradients add, so this is the backward peak (the optimizer phase covers the end)
+    head_grad = 0 if qlora else config.vocab_size * config.dim + config.dim
+    layer_grad = (full_train / max(config.n_layers, 1)) if qlora else layer_numel
+    bwd_acts = acts["total"] - acts["loss"] + acts["recompute"]
+    emb_grad = 0 if qlora else config.vocab_size * config.dim
+    acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
+    if not sharded:
+        phases["forward_end"] = phase(activations=acts["total"], temporaries=loss_grad)
+        phases["backward"] = phase(activations=bwd_acts, grads=head_grad * g)
+        # end of backward: every gradient but the embedding's, block 0 still (re)computed
+        phases["backward_end"] = phase(activations=acts["last_block"], grads=grads - emb_grad * g,
+                                       temporaries=acts["backward_transient"])
+        phases["optimizer_step"] = phase(grads=grads, temporaries=opt_temp)
+        if strategy == "ddp" and world_size > 1:
+            notes.append("DDP modelled with gradients all-reduced in place; torch's DistributedDataParallel "
+                         "adds gradient buckets (one more gradient copy) unless gradient_as_bucket_view=True")
+    else:
+        keep_unsharded = strategy == "fsdp1_shard_grad_op" or (strategy == "fsdp2" and not reshard_after_forward)
+        layers_unsharded = config.n_layers * layer_numel * c if keep_unsharded else 0
+        # QLoRA: the NF4 linears stay quantised; only norms and adapters are gathered
+        layer_gathered = (layer_numel - quant_numel / max(config.n_layers, 1) + layer_grad) if qlora else layer_numel
+        unsharded_fwd = root_numel * c + (layers_unsharded if not qlora else 0)
+        # backward of the last block: root stays gathered, this block and the prefetched next
+        # are gathered, the head's full gradient waits for the root's reduce-scatter at the end
+        # of backward, and this block's full gradient and its reduce-scatter input coexist once
+        gathered = unsharded_fwd if keep_unsharded else root_numel * c + int(2 * layer_gathered * c)
+        # the last all-gather's flat buffer (one block) is still held when forward ends
+        phases["forward_end"] = phase(activations=acts["total"], temporaries=loss_grad,
+                                      unsharded_params=unsharded_fwd,
+                                      comm_buffers=0 if keep_unsharded else int(layer_gathered * c))
+        phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
+                                   unsharded_grads=int(head_grad * g + layer_grad * g),
+                                   comm_buffers=int(layer_grad * g))
+        phases["backward_end"] = phase(activations=acts["last_block"], unsharded_params=root_numel * c + int(layer_gathered * c),
+                                       unsharded_grads=int(emb_grad * g + layer_grad * g), comm_buffers=int(layer_grad * g),
+                                       temporaries=acts["backward_transient"], **{grad_cat: grads_on_device})
+        phases["optimizer_step"] = phase(**{grad_cat: grads_on_device}, temporaries=0 if cpu_offload else opt_temp)
+        notes.append("FSDP transients: one block and its prefetched successor gathered in backward; "
+                     "the root module stays gathered between forward and backward")
+    peak_phase = max((k for k in phases if k != "steady"), key=lambda k: sum(phases[k].values()))
+    if activation_checkpointing:
+        notes.append("activation checkpointing: each block keeps its input; one block is recomputed at a time")
+    return Breakdown(bytes=dict(phases[peak_phase]), phase=peak_phase, phases=phases, host=host, notes=notes)
+
+
+def deepspeed_model_states(num_params: int, world_size: int, stage: int) -> int:
+    """DeepSpeed's published per-GPU model-state bytes for fp16 parameters with mixed-precision
+    AdamW (2 + 2 + 12 bytes per parameter): stage 0: 16P, 1: 4P + 12P/N, 2: 2P + 14P/N, 3: 16P/N."""
+    P, N = num_params, world_size
+    return {0: 16 * P, 1: 4 * P + 12 * P / N, 2: 2 * P + 14 * P / N, 3: 16 * P / N}[stage]
+
+
+MEASURABLE = ("ddp", "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_no_shard", "fsdp2")
+
+
+def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, seq_len: int,
+                 param_dtype=torch.float32, activation_checkpointing: bool = False,
+                 reshard_after_forward: bool = True, foreach: bool = False, seed: int = 0):
+    """Run two training steps of ``Llama(config)`` under ``strategy`` on this rank and return the
+    MemoryTracker result of the second (steady state), to set beside :func:`estimate`.
+
+    Call it inside ``fsdp_lab.launch`` or ``fsdp_lab.simulated_world`` (or alone for "ddp" with
+    one process). "ddp" all-reduces gradients in place (no buckets); FSDP1 wraps every block.
+    Raises ValueError for a strategy that cannot be measured here (``MEASURABLE`` lists them).
+    """
+    import torch.distributed as dist
+
+    from fsdp_lab import collectives
+    from fsdp_lab.dist import current_device
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama, TransformerBlock, apply_activation_checkpointing
+
+    if strategy not in MEASURABLE:
+        raise ValueError(f"strategy {strategy!r} cannot be measured by measure_step; use one of "
+                         f"{', '.join(MEASURABLE)}")
+    import gc
+    gc.collect()  # an earlier model held in reference cycles would still count as live memory
+    device = current_device()
+    model = Llama(config, seed=seed).to(device=device, dtype=param_dtype)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if strategy == "fsdp2":
+        from fsdp_lab.fsdp2 import fully_shard
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=reshard_after_forward)
+        fully_shard(model)
+    elif strategy.startswith("fsdp1"):
+        from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+        sharding = {"fsdp1_full_shard": ShardingStrategy.FULL_SHARD, "fsdp1_no_shard": ShardingStrategy.NO_SHARD,
+                    "fsdp1_shard_grad_op": ShardingStrategy.SHARD_GRAD_OP}[strategy]
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                                         sharding_strategy=sharding)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    vocab = model.config.vocab_size if hasattr(model, "config") else LlamaConfig.from_name(config).vocab_size
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    replicated = strategy == "ddp" and dist.is_initialized() and dist.get_world_size() > 1
+
+    def step(i):
+        batch = global_batch(vocab, batch_size, seq_len, seed=seed + rank, step=i).to(device)
+        loss = model(batch).loss
+        loss.backward()
+        if replicated:
+            for p in model.parameters():
+                collectives.all_reduce(p.grad, op="avg")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(0)
+    with MemoryTracker(model, optimizer) as tracker:
+        step(1)
+    return tracker.result()
+
+
+__all__ = ["Breakdown", "estimate", "activation_bytes", "parameter_shapes", "deepspeed_model_states",
+           "measure_step", "STRATEGIES", "MEASURABLE", "OPTIMIZERS", "count_parameters"]

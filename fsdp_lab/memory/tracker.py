@@ -1,0 +1,457 @@
+"""MemoryTracker: where the bytes of one training step go, measured from tensor storages.
+
+Every tensor's bytes live in a storage (``tensor.untyped_storage()``); views share it. The
+tracker is a ``TorchDispatchMode``: each op's outputs (and any input it has not seen) are
+looked up by storage, so each storage is counted once, and a weak reference on the storage
+object removes its bytes the moment the storage dies. ``UntypedStorage.resize_`` (how FSDP
+frees and refills unsharded parameters) bypasses dispatch, so it is patched while tracking.
+Nothing here asks the allocator, which is why it works on CPU, on CUDA and on fake tensors.
+
+A storage's category, strongest first:
+
+1. an explicit tag (``fsdp_lab.memory.tags.tag``), re-read at every phase boundary;
+2. ``params``: the model's parameters; ``grads``: their ``.grad``; ``optimizer_state``: the
+   tensors in ``optimizer.state``;
+3. ``activations``: saved for backward (seen by ``saved_tensors_hooks``) while still saved;
+4. ``other``: storages that existed before tracking started (buffers, the batch);
+5. ``temporaries``: everything else allocated while tracking, or the ``tag_scope`` default.
+
+A storage that is a temporary at the moment of the peak and becomes a gradient, an optimizer
+state, an activation or a tagged buffer right after (the op that allocates a gradient
+returns before autograd stores it in ``.grad``) is counted in its final role in ``peak()``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_lab.memory import tags
+from fsdp_lab.memory.results import MemoryResult, cuda_stats, format_rows, merge_ranks  # noqa: F401
+from fsdp_lab.memory.tags import CATEGORIES
+
+# ops after which a known storage may have changed size
+_RESIZING_OPS = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
+                 torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.source_Tensor}
+# tensor types that wrap inner tensors (DTensor, NF4): the tracker sees their inner ops instead
+_WRAPPER_TYPES: dict[type, bool] = {}
+# ops whose output is a view of their input: nothing new to count
+_PASSTHROUGH_OPS = {torch.ops.aten.detach.default}
+
+
+class _Info:
+    """What the tracker knows about one live storage."""
+
+    __slots__ = ("key", "nbytes", "base", "saved", "ref", "__weakref__")
+
+    def __init__(self, key: int, nbytes: int, base: str):
+        self.key, self.nbytes, self.base, self.saved = key, nbytes, base, 0
+        self.ref = None
+
+    @property
+    def category(self) -> str:
+        if self.saved and self.base == "temporaries":
+            return "activations"
+        return self.base
+
+
+class _Saved:
+    """A tensor held by autograd for backward; its death tells the tracker it was released."""
+
+    __slots__ = ("tensor", "info", "tracker")
+
+    def __init__(self, tensor, info, tracker):
+        self.tensor, self.info, self.tracker = tensor, info, tracker
+
+    def __del__(self):
+        tracker = self.tracker
+        # the info may belong to an earlier run of the tracker (it resets on enter)
+        if tracker is not None and tracker._live.get(self.info.key) is self.info:
+            tracker._change(self.info, saved_delta=-1)
+
+
+def _is_plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and not hasattr(type(t), "__tensor_flatten__")
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Measure memory by category over one (or a few) training steps.
+
+        with MemoryTracker(model, optimizer) as mt:
+            model(batch).loss.backward(); optimizer.step()
+        mt.peak(); mt.current(); mt.timeline(); mt.result()
+
+    Args:
+        model: the module whose parameters (and ``.grad``) are ``params``/``grads``; its
+            children and the elements of its ModuleLists (``layers.0`` ...) mark phase
+            boundaries in forward and backward. May be None.
+        optimizer: its ``state`` tensors are ``optimizer_state``; its ``step`` is a phase.
+        device: count only storages on this device (default: the model's parameter device,
+            else cpu). Fake tensors count as the device they pretend to be on.
+        phase_modules: names of submodules that mark phases (default: see ``model``).
+
+    Raises ValueError for a ``phase_modules`` name the model does not have.
+    """
+
+    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 *, device: torch.device | str | None = None, phase_modules: Iterable[str] | None = None):
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        if device is None:
+            param = next(iter(model.parameters()), None) if model is not None else None
+            device = param.device if param is not None else "cpu"
+        self.device = torch.device(device)
+        self._device_type = self.device.type
+        modules = dict(model.named_modules()) if model is not None else {}
+        if phase_modules is None:
+            phase_modules = [n for n, m in modules.items() if n and _is_phase_module(n, m, modules)]
+        missing = [n for n in phase_modules if n not in modules]
+        if missing:
+            raise ValueError(f"phase_modules {missing} are not submodules of the model; "
+                             f"use names from model.named_modules()")
+        self._phase_modules = [(n, modules[n]) for n in phase_modules]
+        self._reset()
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._live: dict[int, _Info] = {}
+        self._totals = dict.fromkeys(CATEGORIES, 0)
+        self._max = dict.fromkeys(CATEGORIES, 0)
+        self._total = 0
+        self._temps: set[int] = set()
+        self._peak_total = -1
+        self._peak_totals = dict(self._totals)
+        self._peak_temps: set[int] = set()
+        self._peak_label = "start"
+        self._label = "start"
+        self._timeline: list[tuple[str, dict[str, int]]] = []
+        self._handles: list = []
+        self._cuda: dict[str, int] = {}
+        self._active = False
+
+    def _see(self, t: torch.Tensor, base: str | None) -> _Info | None:
+        """Register the storage behind ``t`` if new (category ``base``, or inferred)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage to count
+            return None
+        info = self._live.get(st._cdata)
+        if info is not None:
+            return info
+        if t.device.type != self._device_type:  # checked only for new storages: it is slow
+            return None
+        return self._see_storage(st, base)
+
+    def _see_storage(self, st, base: str | None) -> _Info:
+        key = st._cdata
+        info = self._live.get(key)
+        if info is not None:
+            return info
+        tagged = tags.category_of(st) if tags._tags else None  # the lookup is slow; skip when no tags
+        base = tagged or base or tags.current_scope() or "temporaries"
+        info = _Info(key, st.nbytes(), base)
+        live = self._live
+        # the callback must not keep the tracker alive (it would keep all infos alive)
+        tracker_ref = weakref.ref(self)
+
+        def on_free(_, key=key, tracker_ref=tracker_ref):
+            tracker = tracker_ref()
+            if tracker is not None:
+                tracker._free(key)
+
+        info.ref = weakref.ref(st, on_free)
+        live[key] = info
+        self._add(info, info.nbytes)
+        return info
+
+    def _add(self, info: _Info, nbytes: int) -> None:
+        cat = info.category
+        totals = self._totals
+        totals[cat] += nbytes
+        if totals[cat] > self._max[cat]:
+            self._max[cat] = totals[cat]
+        self._total += nbytes
+        if cat == "temporaries":
+            self._temps.add(info.key)
+        if self._total > self._peak_total:
+            self._peak_total = self._total
+            self._peak_totals = dict(self._totals)
+            self._peak_temps = set(self._temps)
+            self._peak_label = self._label
+
+    def _free(self, key: int) -> None:
+        info = self._live.pop(key, None)
+        if info is None:
+            return
+        self._totals[info.category] -= info.nbytes
+        self._total -= info.nbytes
+        self._temps.discard(key)
+
+    def _change(self, info: _Info, base: str | None = None, saved_delta: int = 0) -> None:
+        """Move a storage to its new category (and fix the peak if it was a temporary then)."""
+        old = info.category
+        if base is not None:
+            info.base = base
+        info.saved += saved_delta
+        new = info.category
+        if new == old:
+            return
+        self._totals[old] -= info.nbytes
+        self._totals[new] += info.nbytes
+        if self._totals[new] > self._max[new]:
+            self._max[new] = self._totals[new]
+        if old == "temporaries":
+            self._temps.discard(info.key)
+            if info.key in self._peak_temps:
+                self._peak_temps.discard(info.key)
+                self._peak_totals["temporaries"] -= info.nbytes
+                self._peak_totals[new] += info.nbytes
+        elif new == "temporaries":
+            self._temps.add(info.key)
+
+    def _resized(self, st) -> None:
+        info = self._live.get(st._cdata)
+        if info is None:
+            return
+        new_bytes = st.nbytes()
+        delta = new_bytes - info.nbytes
+        if delta:
+            info.nbytes = new_bytes
+            if delta > 0:
+                self._add(info, delta)
+            else:
+                self._totals[info.category] += delta
+                self._total += delta
+
+    def _classify(self, tensors: Iterable[torch.Tensor], base: str) -> None:
+        """Register or move the storages of ``tensors`` to ``base`` (explicit tags still win)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            for inner in _plain_tensors(t):
+                info = self._see(inner, base)
+                if info is not None and info.base != base and not _tagged(inner):
+                    self._change(info, base=base)
+
+    def _refresh_tags(self) -> None:
+        for st, cat in list(tags._tags.items()):
+            info = self._live.get(st._cdata)
+            if info is not None and info.base != cat:
+                self._change(info, base=cat)
+
+    def _mark(self, label: str) -> None:
+        """A phase boundary: re-read tags and record a timeline point."""
+        if not self._active:  # a tensor hook firing after the tracker exited
+            return
+        self._refresh_tags()
+        self._label = label
+        self._timeline.append((label, dict(self._totals)))
+
+    # ---- hooks -------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        info = None
+        if _is_plain(t):
+            info = self._see(t, None)
+        if info is None:
+            return t
+        self._change(info, saved_delta=1)
+        return _Saved(t.detach(), info, self)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _install_hooks(self) -> None:
+        in_backward = torch._C._current_graph_task_id
+
+        def fwd_pre(name):
+            def hook(module, args):
+                if in_backward() != -1:
+                    return
+                self._mark(f"forward {name} start")
+                grad_in = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+                if grad_in is not None:
+                    grad_in.register_hook(lambda g: self._mark(f"backward {name} end"))
+            return hook
+
+        def fwd_post(name):
+            def hook(module, args, output):
+                if in_backward() != -1:
+                    self._mark(f"recompute {name}")
+                    return
+                self._mark(f"forward {name} end")
+                out = output if isinstance(output, torch.Tensor) else None
+                if out is None and isinstance(output, (tuple, list)):
+                    out = next((o for o in output if isinstance(o, torch.Tensor)), None)
+                if out is not None and out.requires_grad:
+                    out.register_hook(lambda g: self._mark(f"backward {name} start"))
+            return hook
+
+        for name, module in self._phase_modules:
+            self._handles.append(module.register_forward_pre_hook(fwd_pre(name)))
+            self._handles.append(module.register_forward_hook(fwd_post(name)))
+        if self.model is not None:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        lambda p: self._classify([p.grad], "grads")))
+        if self.optimizer is not None:
+            def step_pre(opt, args, kwargs):
+                self._mark("optimizer step start")
+
+            def step_post(opt, args, kwargs):
+                self._classify(_state_tensors(opt), "optimizer_state")
+                self._mark("optimizer step end")
+            self._handles.append(self.optimizer.register_step_pre_hook(step_pre))
+            self._handles.append(self.optimizer.register_step_post_hook(step_post))
+
+    def _register_existing(self) -> None:
+        if self.model is not None:
+            self._classify(self.model.parameters(), "params")
+            self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
+            self._classify(self.model.buffers(), "other")
+        if self.optimizer is not None:
+            self._classify(_state_tensors(self.optimizer), "optimizer_state")
+        for st, cat in list(tags._tags.items()):
+            if st.device.type == self._device_type:
+                self._see_storage(st, cat)
+
+    # ---- context manager ---------------------------------------------------------------
+
+    def __enter__(self):
+        self._reset()
+        self._active = True
+        self._register_existing()
+        self._install_hooks()
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self._orig_resize = torch.UntypedStorage.resize_
+        orig, tracker = self._orig_resize, self
+
+        def resize_(storage, size):
+            result = orig(storage, size)
+            tracker._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        if self._device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._mark("start")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._orig_resize
+        self._saved_hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.model is not None:
+            self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
+        if self.optimizer is not None:
+            self._classify(_state_tensors(self.optimizer), "optimizer_state")
+        self._mark("end")
+        self._active = False
+        if self._device_type == "cuda":
+            self._cuda = cuda_stats(self.device, self._peak_total)
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Let tensor subclasses (DTensor, NF4) unwrap first; their inner ops come back here.
+        for t in types:
+            wrapper = _WRAPPER_TYPES.get(t)
+            if wrapper is None:
+                wrapper = _WRAPPER_TYPES[t] = hasattr(t, "__tensor_flatten__")
+            if wrapper:
+                return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        if func in _PASSTHROUGH_OPS:
+            return out
+        see = self._see
+        for a in args:
+            if type(a) in (list, tuple):
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        see(x, "other")
+            elif isinstance(a, torch.Tensor):
+                see(a, "other")
+        if isinstance(out, torch.Tensor):
+            see(out, None)
+        elif type(out) in (list, tuple):
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    see(x, None)
+        if func in _RESIZING_OPS:
+            self._resized(args[0].untyped_storage())
+        return out
+
+    # ---- results -----------------------------------------------------------------------
+
+    def peak(self) -> dict[str, int]:
+        """{category: bytes} at the moment the tracked total was highest."""
+        return dict(self._peak_totals)
+
+    def peak_total(self) -> int:
+        """Highest tracked total (bytes)."""
+        return max(self._peak_total, 0)
+
+    def current(self) -> dict[str, int]:
+        """{category: bytes} of the storages alive now."""
+        return dict(self._totals)
+
+    def max_by_category(self) -> dict[str, int]:
+        """{category: bytes}: the highest each category reached on its own (not at one moment)."""
+        return dict(self._max)
+
+    def live_bytes(self) -> int:
+        """Sum of the sizes of all tracked storages alive now (bytes), counted storage by storage."""
+        infos = list(self._live.values())  # copied in C: a storage dying meanwhile cannot break the loop
+        return sum(info.nbytes for info in infos)
+
+    def timeline(self) -> list[tuple[str, dict[str, int]]]:
+        """[(label, {category: bytes})] at each phase boundary ("forward layers.0 start",
+        "backward layers.0 end", "optimizer step end" ...), in order."""
+        return [(label, dict(snap)) for label, snap in self._timeline]
+
+    def result(self) -> MemoryResult:
+        """Everything measured, as a picklable MemoryResult."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return MemoryResult(rank=rank, device=str(self.device), peak=self.peak(),
+                            peak_label=self._peak_label, current=self.current(),
+                            timeline=self.timeline(), max_by_category=self.max_by_category(),
+                            cuda=dict(self._cuda))
+
+
+def _is_phase_module(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> bool:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return False
+    parent = name.rpartition(".")[0]
+    if not parent:
+        return True
+    return "." not in parent and isinstance(modules.get(parent), (nn.ModuleList, nn.ModuleDict))
+
+
+def _plain_tensors(t) -> list[torch.Tensor]:
+    if not isinstance(t, torch.Tensor):
+        return []
+    if type(t).__name__ == "DTensor":
+        return _plain_tensors(t._local_tensor)
+    if hasattr(type(t), "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain_tensors(getattr(t, n))]
+    return [t]
+
+
+def _tagged(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and tags.category_of(t.untyped_storage()) is not None
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -1,0 +1,141 @@
+"""MemoryExplorer: pick a model, world size, strategy, dtypes, batch and sequence length and see
+the estimated per-rank breakdown; "measure" runs the same step for real and overlays it.
+
+Built on ``fsdp_lab.viz.widgets.Explorer`` (controls + a figure redrawn on every change). The
+figure comes from :meth:`MemoryExplorer.figure`, which also makes the static figure beside it.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import torch
+
+from fsdp_lab.memory.estimate import MEASURABLE, OPTIMIZERS, STRATEGIES, estimate, measure_step
+from fsdp_lab.models.llama import CONFIGS
+from fsdp_lab.viz.memory_plots import plot_breakdown, plot_estimate_vs_measured
+from fsdp_lab.viz.widgets import Explorer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MEASURE_MAX_WORLD = 4  # real ranks on this machine; larger worlds are measured simulated (rank 0)
+
+
+def measure(settings: dict, simulated: bool | None = None):
+    """Measure rank 0's peak for ``settings`` (the explorer's control values) on the "cpu"-sized
+    model given there; returns a MemoryResult. Runs ``world_size`` real ranks with
+    ``fsdp_lab.launch`` up to MEASURE_MAX_WORLD, else (or with ``simulated=True``) rank 0 of a
+    simulated world. Raises ValueError for what cannot be measured (QLoRA, offload, big models).
+    """
+    from fsdp_lab.dist import simulated_world
+    from fsdp_lab.launch import launch
+
+    if settings["qlora"] or settings["cpu_offload"]:
+        raise ValueError("measuring QLoRA or CPU offload is not wired into the explorer; "
+                         "see the QLoRA lab for a measured QLoRA step")
+    if not settings["model"].startswith("cpu"):
+        raise ValueError(f"{settings['model']} is too big to run here: measure a 'cpu' config")
+    n = settings["world_size"]
+    kwargs = dict(strategy=settings["strategy"], batch_size=settings["batch_size"], seq_len=settings["seq_len"],
+                  param_dtype=DTYPES[settings["param_dtype"]],
+                  activation_checkpointing=settings["activation_checkpointing"],
+                  reshard_after_forward=settings["reshard_after_forward"])
+    if settings["strategy"] not in MEASURABLE:
+        raise ValueError(f"measuring {settings['strategy']} is not supported; use one of {', '.join(MEASURABLE)}")
+    if n == 1:
+        return measure_step(settings["model"], **kwargs)
+    if simulated or (simulated is None and n > MEASURE_MAX_WORLD):
+        with simulated_world(n):
+            return measure_step(settings["model"], **kwargs)
+    return launch(measure_step, settings["model"], world_size=n, timeout=300, **kwargs)[0]
+
+
+class MemoryExplorer:
+    """Controls -> live estimated breakdown; "measure" overlays the measured rank-0 breakdown.
+
+    ``MemoryExplorer(**initial)`` takes initial control values (names as in ``controls``).
+    ``measured`` maps a settings key to the MemoryResult measured for it.
+    """
+
+    def __init__(self, **initial):
+        c = {
+            "model": widgets.Dropdown(options=list(CONFIGS), value="cpu", description="model"),
+            "world_size": widgets.IntSlider(value=2, min=1, max=64, description="world size"),
+            "strategy": widgets.Dropdown(options=list(STRATEGIES), value="fsdp2", description="strategy"),
+            "param_dtype": widgets.Dropdown(options=list(DTYPES), value="float32", description="params"),
+            "grad_dtype": widgets.Dropdown(options=["same"] + list(DTYPES), value="same", description="grads"),
+            "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value="adamw", description="optimizer"),
+            "batch_size": widgets.IntSlider(value=2, min=1, max=32, description="batch/rank"),
+            "seq_len": widgets.Dropdown(options=[32, 64, 128, 256, 512, 1024, 2048, 4096, 8192], value=64,
+                                        description="seq len"),
+            "activation_checkpointing": widgets.Checkbox(value=False, description="checkpointing"),
+            "cpu_offload": widgets.Checkbox(value=False, description="CPU offload"),
+            "qlora": widgets.Checkbox(value=False, description="QLoRA"),
+            "reshard_after_forward": widgets.Checkbox(value=True, description="reshard after fwd"),
+        }
+        for name, value in initial.items():
+            if name not in c:
+                raise ValueError(f"unknown control {name!r}; controls: {', '.join(c)}")
+            c[name].value = value
+        self.controls = c
+        self.measured: dict[tuple, object] = {}
+        self.explorer = Explorer(c, self._render, title="Memory explorer (estimated per-rank peak)")
+        self.measure_button = widgets.Button(description="measure", icon="flask")
+        self.measure_button.on_click(lambda _b: self.measure())
+        self.status = widgets.HTML()
+        self.widget = widgets.VBox([self.explorer.widget, widgets.HBox([self.measure_button, self.status])])
+
+    def settings(self) -> dict:
+        return self.explorer.values()
+
+    @staticmethod
+    def _key(settings: dict) -> tuple:
+        return tuple(sorted(settings.items()))
+
+    def estimate(self, settings: dict | None = None):
+        """The Breakdown for the current (or given) settings."""
+        s = settings or self.settings()
+        grad = None if s["grad_dtype"] == "same" else DTYPES[s["grad_dtype"]]
+        return estimate(s["model"], world_size=s["world_size"], strategy=s["strategy"],
+                        param_dtype=DTYPES[s["param_dtype"]], grad_dtype=grad, optimizer=s["optimizer"],
+                        batch_size=s["batch_size"], seq_len=s["seq_len"],
+                        activation_checkpointing=s["activation_checkpointing"], cpu_offload=s["cpu_offload"],
+                        qlora=s["qlora"], reshard_after_forward=s["reshard_after_forward"])
+
+    def figure(self, settings: dict | None = None):
+        """(Figure, text): estimated bars, beside measured ones when this setting was measured."""
+        s = settings or self.settings()
+        est = self.estimate(s)
+        unit = "MiB" if est.total < 2**32 else "GiB"
+        fig, ax = plt.subplots(figsize=(7, 4))
+        measured = self.measured.get(self._key(s))
+        title = f"{s['model']}, {s['strategy']}, N={s['world_size']}, batch {s['batch_size']} x {s['seq_len']}"
+        if measured is None:
+            plot_breakdown({"estimate": est}, ax=ax, unit=unit, title=title)
+        else:
+            plot_estimate_vs_measured(est, measured.peak, ax=ax, unit=unit, title=title)
+        fig.tight_layout()
+        text = est.table(unit)
+        if measured is not None:
+            text += f"\nmeasured peak (rank 0): {measured.peak_total / (2**20 if unit == 'MiB' else 2**30):.3f} {unit}"
+        return fig, text
+
+    def _render(self, **settings):
+        return self.figure(settings)
+
+    def measure(self, simulated: bool | None = None):
+        """Measure the current setting (see :func:`measure`), store it and redraw."""
+        s = self.settings()
+        self.status.value = "measuring..."
+        try:
+            self.measured[self._key(s)] = measure(s, simulated=simulated)
+            self.status.value = "measured (hatched bars)"
+        except (ValueError, RuntimeError) as error:
+            self.status.value = f"<span style='color:#b00'>{error}</span>"
+        self.explorer.update()
+
+    def show(self) -> "MemoryExplorer":
+        from IPython.display import display
+
+        self.explorer.update()
+        display(self.widget)
+        return self

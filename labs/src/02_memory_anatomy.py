@@ -1,0 +1,318 @@
+"""Lab 02: where the memory of a training step goes — measured, estimated, and compared."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from nbbuild import build, code, md  # noqa: E402
+
+CELLS = [
+    md("""
+    # Lab 02 — Memory anatomy: parameters, gradients, optimizer state, activations
+
+    "Where does the memory go?" is the first question of every out-of-memory error. This lab answers it
+    twice — by **measurement** (`MemoryTracker`, which counts tensor storages on CPU, GPU or fake tensors)
+    and by **estimate** (`estimate`, from the model's shapes alone) — and checks that the two agree.
+
+    **Goals.**
+
+    1. Count the bytes of parameters, gradients and AdamW state of a Llama block by hand.
+    2. Reproduce the talk's 7B example: 14 GB params + 14 GB grads + 28 GB Adam in 16-bit terms.
+    3. Measure one training step on CPU, by category, and draw memory over the step.
+    4. See how batch size and sequence length drive activations (and write the formula).
+    5. Run FSDP2 on real ranks and on a simulated world of 8 — including a 7B-shaped model that allocates nothing.
+    6. Explore with the widget; then predict a peak yourself.
+    """),
+    code("""
+    %matplotlib inline
+    import os
+    import torch
+    import matplotlib.pyplot as plt
+    import fsdp_lab
+    from fsdp_lab.memory import MemoryTracker, estimate, measure_step, merge_ranks, CATEGORIES
+    from fsdp_lab.memory.estimate import activation_bytes, deepspeed_model_states
+    from fsdp_lab.memory.results import format_rows
+    from fsdp_lab.models.llama import Llama, LlamaConfig, parameter_breakdown, count_parameters
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.viz.memory_plots import plot_breakdown, plot_memory_curve, plot_estimate_vs_measured
+    from fsdp_lab.viz.memory_widgets import MemoryExplorer
+
+    FIGURES = "figures/02_memory_anatomy"
+    os.makedirs(FIGURES, exist_ok=True)
+    MiB, GB = 2**20, 1e9
+    print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 1. The idea on one process: model states of a Llama block
+
+    A parameter costs its bytes three or four times over during training: the parameter itself, its
+    gradient, and the optimizer's state (AdamW keeps `exp_avg` and `exp_avg_sq`, each the size of the
+    parameter, plus a 4-byte `step` counter per tensor). Count them for one block of the CPU Llama:
+    `wq, wk, wv, wo` (grouped-query: `wk`, `wv` have only the kv heads), `w1, w2, w3`, two RMSNorm weights.
+    """),
+    code("""
+    cfg = LlamaConfig.from_name("cpu")
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_hidden
+    by_hand = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d + 3 * d * f + 2 * d
+    print("block parameters by hand :", by_hand)
+    print("parameter_breakdown      :", parameter_breakdown(cfg)["per_layer"])
+    fp32 = 4
+    print(f"params {by_hand * fp32} B + grads {by_hand * fp32} B + AdamW {2 * by_hand * fp32 + 9 * 4} B "
+          f"= {4 * by_hand * fp32 + 36} B per block in float32")
+    print("whole model:", count_parameters(cfg), "parameters")
+    """),
+    md("""
+    ## 2. The talk's 7B example
+
+    Llama-2-7B in bf16 with AdamW whose states are also bf16 (what `torch.optim.AdamW` does for bf16
+    parameters). The estimator computes model states from exact parameter counts; the talk rounds P to
+    7 billion (14 + 14 + 28 GB). With mixed precision (fp32 master weights and Adam states, DeepSpeed's
+    accounting) it is 16 bytes per parameter, and ZeRO-3 / FSDP divides all of it by N.
+    """),
+    code("""
+    b = estimate("llama2-7b", world_size=1, strategy="ddp", param_dtype=torch.bfloat16, batch_size=1, seq_len=4096)
+    s = b.phases["optimizer_step"]
+    P = count_parameters(LlamaConfig.from_name("llama2-7b"))
+    print(f"P = {P:,}")
+    print(f"params {s['params'] / GB:.2f} GB + grads {s['grads'] / GB:.2f} GB + Adam {s['optimizer_state'] / GB:.2f} GB "
+          f"= {(s['params'] + s['grads'] + s['optimizer_state']) / GB:.2f} GB")
+    print(f"the talk, P = 7e9: {2 * 7e9 / GB:.0f} + {2 * 7e9 / GB:.0f} + {4 * 7e9 / GB:.0f} = {8 * 7e9 / GB:.0f} GB")
+    z3 = estimate("llama2-7b", world_size=8, strategy="fsdp2", param_dtype=torch.bfloat16, optimizer="adamw_master",
+                  batch_size=1, seq_len=4096)
+    print(f"mixed precision, FSDP2 on 8 GPUs: {z3.model_states / GB:.2f} GB per GPU; "
+          f"DeepSpeed ZeRO-3 16P/N = {deepspeed_model_states(P, 8, 3) / GB:.2f} GB")
+    """),
+    md("""
+    ## 3. Measure one training step on CPU
+
+    `MemoryTracker` is a `TorchDispatchMode`: it sees every op's output storage, counts each storage once,
+    and drops it when the storage dies. Parameters, their `.grad` and the optimizer's state are recognised;
+    tensors autograd saves for backward are **activations**; everything else allocated is a **temporary**.
+    We take a warm-up step first so AdamW's state exists (the steady state).
+    """),
+    code("""
+    torch.manual_seed(0)
+    model = Llama("cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    batch = global_batch(cfg.vocab_size, 4, 128)
+
+    def train_step():
+        loss = model(batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    train_step()                                   # warm-up: creates AdamW's state
+    with MemoryTracker(model, opt) as mt:
+        train_step()
+    peak = mt.peak()
+    print("peak during:", mt.result().peak_label)
+    for c in CATEGORIES:
+        if peak[c]:
+            print(f"  {c:<16}{peak[c] / MiB:9.3f} MiB")
+    print(f"  {'total':<16}{mt.peak_total() / MiB:9.3f} MiB")
+    """),
+    md("""
+    The peak falls at the start of backward: every activation is still alive, and the loss's gradient
+    (float32, batch x seq x vocab, twice) is being computed. Now the estimate for the same configuration —
+    `ddp` on one process is plain single-process training:
+    """),
+    code("""
+    est = estimate(cfg, world_size=1, strategy="ddp", param_dtype=torch.float32, batch_size=4, seq_len=128)
+    print(f"{'category':<16}{'estimate':>12}{'measured':>12}   (bytes at the peak)")
+    for c in CATEGORIES:
+        if est[c] or peak[c]:
+            print(f"{c:<16}{est[c]:>12,}{peak[c]:>12,}")
+    print(f"{'total':<16}{est.total:>12,}{mt.peak_total():>12,}   ratio {mt.peak_total() / est.total:.4f}")
+    ax = plot_estimate_vs_measured(est, peak, unit="MiB", title="CPU Llama, batch 4 x 128, float32")
+    ax.figure.savefig(f"{FIGURES}/estimate_vs_measured.png", dpi=100, bbox_inches="tight")
+    """),
+    md("""
+    Model states match to the byte; activations match because the estimator's formula counts exactly what
+    this Llama saves (see `docs/memory.md`). Eight bytes of difference are the loss scalar and its gradient.
+
+    ## 4. Memory over one step
+
+    The tracker records a snapshot at every phase boundary: forward and backward of each block, the
+    optimizer step. Activations build up through forward and drain through backward while gradients
+    appear; the optimizer step adds its temporaries on top of parameters + gradients + state.
+    """),
+    code("""
+    timeline = mt.timeline()
+    print(len(timeline), "phase boundaries, e.g.:", [label for label, _ in timeline[:4]])
+    ax = plot_memory_curve(timeline, unit="MiB", label_every=3)
+    ax.figure.savefig(f"{FIGURES}/memory_over_one_step.png", dpi=100, bbox_inches="tight")
+    """),
+    md("""
+    ## 5. Batch size and sequence length drive activations
+
+    Parameters do not depend on the batch; activations grow linearly in the number of tokens T = batch x seq
+    (the attention here is SDPA's fused kernel, which saves no T x T matrix). Per block, with e bytes per
+    element: `2*(4Td + 2eTd + 4T) + 4eTd + 4Th + eTd + 4eTf`. We measure the activations after forward only.
+    """),
+    code("""
+    def forward_activations(batch_size, seq_len):
+        x = global_batch(cfg.vocab_size, batch_size, seq_len)
+        with MemoryTracker(model) as t:
+            out = model(x)
+            acts = t.current()["activations"]
+        del out
+        return acts
+
+    rows = []
+    for bs, sl in [(1, 64), (2, 64), (4, 64), (4, 32), (4, 128)]:
+        m = forward_activations(bs, sl)
+        e = activation_bytes(cfg, bs, sl, torch.float32)["total"]
+        rows.append((bs * sl, m))
+        print(f"batch {bs} x seq {sl:>3} = {bs * sl:>3} tokens: measured {m / MiB:7.3f} MiB, formula {e / MiB:7.3f} MiB")
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot([r[0] for r in rows], [r[1] / MiB for r in rows], "o-")
+    ax.set_xlabel("tokens per step (batch x seq)"); ax.set_ylabel("activations (MiB)")
+    ax.set_title("activations grow linearly with tokens")
+    fig.savefig(f"{FIGURES}/activations_vs_tokens.png", dpi=100, bbox_inches="tight")
+    """),
+    md("""
+    ## 6. Run N ranks: FSDP2 on 2 real ranks
+
+    `measure_step` builds the Llama on each rank, shards every block and the root with
+    `fsdp_lab.fsdp2.fully_shard`, takes a warm-up step and tracks the second. The tracker sees FSDP's own
+    tags: sharded parameters, gathered (unsharded) parameters, communication buffers.
+    """),
+    code("""
+    results = fsdp_lab.launch(measure_step, "cpu", world_size=2, strategy="fsdp2", batch_size=2, seq_len=64)
+    print(format_rows(merge_ranks(results), unit="MiB"))
+    est2 = estimate(cfg, world_size=2, strategy="fsdp2", batch_size=2, seq_len=64)
+    print(f"estimate total {est2.total / MiB:.3f} MiB, measured rank 0 {results[0].peak_total / MiB:.3f} MiB")
+    ax = plot_breakdown({f"rank {r.rank}": r.peak for r in results} | {"estimate": est2}, unit="MiB",
+                        title="FSDP2 on 2 ranks: peak by category")
+    ax.figure.savefig(f"{FIGURES}/fsdp2_two_ranks.png", dpi=100, bbox_inches="tight")
+    """),
+    md("""
+    ## 7. A simulated world of 8
+
+    `fsdp_lab.simulated_world(8)` makes this process rank 0 of 8 on torch's fake process group: memory is
+    real, collectives return without exchanging data — so the numbers below are rank 0's memory, not its
+    training result. First the CPU Llama, then a Llama with the exact shapes of Llama-2-7B (4 of its 32
+    blocks, to keep the lab fast) under `FakeTensorMode`: nothing is allocated, yet every storage has a size.
+    """),
+    code("""
+    with fsdp_lab.simulated_world(8) as world:
+        sim = measure_step("cpu", strategy="fsdp2", batch_size=2, seq_len=64)
+    est8 = estimate(cfg, world_size=8, strategy="fsdp2", batch_size=2, seq_len=64)
+    print(world.note)
+    print(f"rank 0 of 8: sharded params {sim.current['sharded_params']:,} B (estimate "
+          f"{est8.phases['steady']['sharded_params']:,} B); peak {sim.peak_total / MiB:.3f} MiB "
+          f"(estimate {est8.total / MiB:.3f} MiB)")
+    """),
+    code("""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from fsdp_lab.fsdp2 import fully_shard
+
+    big = LlamaConfig.from_name("llama2-7b", n_layers=4)
+    with fsdp_lab.simulated_world(8):
+        mesh = init_device_mesh("cpu", (8,))             # built before fake mode: it holds real rank ids
+        with FakeTensorMode():
+            torch.set_default_dtype(torch.bfloat16)
+            fake_model = Llama(big)
+            torch.set_default_dtype(torch.float32)
+            for block in fake_model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(fake_model, mesh=mesh)
+            fake_opt = torch.optim.AdamW(fake_model.parameters(), lr=1e-3, foreach=False)
+            ids = torch.randint(0, big.vocab_size, (1, 1024))
+
+            def fake_step():
+                fake_model(ids, ids).loss.backward()
+                fake_opt.step()
+                fake_opt.zero_grad(set_to_none=True)
+
+            fake_step()                                          # warm-up: AdamW state
+            with MemoryTracker(fake_model, fake_opt) as fake_mt:
+                fake_step()
+    est_big = estimate(big, world_size=8, strategy="fsdp2", param_dtype=torch.bfloat16, batch_size=1, seq_len=1024)
+    cur = fake_mt.current()
+    print(f"7B-shaped, 4 blocks, rank 0 of 8 (fake tensors): sharded params {cur['sharded_params'] / GB:.3f} GB "
+          f"(estimate {est_big.phases['steady']['sharded_params'] / GB:.3f}), AdamW state "
+          f"{cur['optimizer_state'] / GB:.3f} GB (estimate {est_big.phases['steady']['optimizer_state'] / GB:.3f})")
+    print(f"peak {fake_mt.peak_total() / GB:.2f} GB measured vs {est_big.total / GB:.2f} GB estimated "
+          f"({fake_mt.peak_total() / est_big.total:.2f}x)")
+    ax = plot_estimate_vs_measured(est_big, fake_mt.peak(), unit="GiB", title="7B shapes (4 blocks), rank 0 of 8")
+    ax.figure.savefig(f"{FIGURES}/fake_7b_rank0_of_8.png", dpi=100, bbox_inches="tight")
+    """),
+    md("""
+    Model states agree to the byte, in both simulated runs. The peaks differ by how many gathered blocks,
+    gradient buffers and temporaries are alive at the same moment: the estimator adds up its assumptions for
+    each phase (a block and its prefetched successor gathered, full block gradients beside the reduce-scatter
+    input) and takes the largest phase, so it errs on the high side. `est_big.phases` shows every phase.
+
+    ## 8. Explore
+
+    Change the model, world size, strategy, dtypes, batch, sequence length, checkpointing, offload or QLoRA;
+    the bars are the estimate for one rank. **measure** runs the same step for real on the CPU model
+    (real ranks up to 4, a simulated world beyond) and overlays it hatched. The static figure below is the
+    same plot for Llama-2-7B with FSDP2 on 8 GPUs, with and without activation checkpointing.
+    """),
+    code("""
+    explorer = MemoryExplorer(model="llama2-7b", world_size=8, strategy="fsdp2", param_dtype="bfloat16",
+                              batch_size=1, seq_len=4096)
+    configs = {}
+    for ac in (False, True):
+        s = dict(explorer.settings(), activation_checkpointing=ac)
+        configs["checkpointing" if ac else "no checkpointing"] = explorer.estimate(s)
+    for name, b in configs.items():
+        print(f"{name:<17} peak {b.total / 2**30:6.2f} GiB in phase {b.phase}")
+    ax = plot_breakdown(configs, unit="GiB", title="Llama-2-7B, FSDP2, 8 GPUs, batch 1 x 4096, bf16")
+    ax.figure.savefig(f"{FIGURES}/explorer_static.png", dpi=100, bbox_inches="tight")
+    """),
+    code("""
+    explorer.show();
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 9. Exercise: predict the activations
+
+    Write `predict_activations(config, batch_size, seq_len)`: the bytes this Llama saves for backward
+    during one forward in **bfloat16** (e = 2 bytes; RMSNorm still keeps a float32 copy of its input and
+    the loss a float32 log-softmax). Use the per-block formula of section 5 and add the final RMSNorm,
+    the log-softmax (4*T*V) and the int64 labels (8*T). The checking cell measures two configurations.
+    """),
+    code("""
+    def predict_activations(config, batch_size, seq_len):
+        T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
+        e = 2
+        norm = 4 * T * d + 2 * e * T * d + 4 * T
+        block = 2 * norm + 4 * e * T * d + 4 * T * h + e * T * d + 4 * e * T * f
+        return config.n_layers * block + norm + 4 * T * V + 8 * T
+    """),
+    code("""
+    def check(fn):
+        bf16_model = Llama("cpu", seed=0).to(torch.bfloat16)
+        for bs, sl in [(2, 64), (3, 40)]:
+            x = global_batch(cfg.vocab_size, bs, sl)
+            with MemoryTracker(bf16_model) as t:
+                out = bf16_model(x)
+                measured = t.current()["activations"]
+            del out
+            predicted = fn(cfg, bs, sl)
+            assert abs(predicted - measured) <= 0.01 * measured, f"batch {bs} x {sl}: predicted {predicted:,}, measured {measured:,}"
+        print("correct")
+
+    check(predict_activations)
+    """),
+    md("""
+    ## Summary
+
+    * Training memory = **model states** (parameters, gradients, optimizer state: 16 bytes per parameter with
+      mixed-precision Adam, 8 with bf16 everything) + **activations** (linear in batch x seq) + transients
+      (the loss gradient, gathered FSDP blocks, optimizer temporaries).
+    * `MemoryTracker` measures it by category from tensor storages — on CPU, GPU, or fake tensors — and
+      `estimate` predicts it from shapes; they agree to the byte on model states and closely on the peak.
+    * Sharding (FSDP / ZeRO-3) divides model states by N; it does not touch activations — checkpointing does.
+    * A simulated world and fake tensors answer "would this fit on 8 GPUs?" on a laptop.
+
+    Next: lab 03/04 build the FSDP that produced the `sharded_params` and `unsharded_params` above.
+    """),
+]
+
+if __name__ == "__main__":
+    build(__file__, CELLS)

@@ -1,0 +1,173 @@
+"""estimate(): model states against formulas worked by hand (the talk, DeepSpeed's ZeRO paper),
+activations against the MemoryTracker on the CPU Llama (single process and FSDP on 2 ranks)."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from fsdp_lab.launch import launch
+from fsdp_lab.memory.cli import add_estimate_parser, run_estimate
+from fsdp_lab.memory.estimate import activation_bytes, deepspeed_model_states, estimate, measure_step
+from fsdp_lab.models.llama import LlamaConfig
+
+# Llama-2-7B by hand: embeddings and output 32000x4096 each; per block 4 attention projections
+# 4096x4096, 3 feed-forward 4096x11008, 2 norms of 4096; 32 blocks; final norm 4096.
+P7B = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096
+TENSORS_7B = 32 * 9 + 3  # parameter tensors, one AdamW "step" (4 bytes) each
+
+
+def test_seven_billion_in_sixteen_bit_terms():
+    """The talk: 14 GB params + 14 GB grads + 28 GB Adam for a 7B model in bf16 (7e9 * 2 bytes...)."""
+    assert P7B == 6_738_415_616
+    b = estimate("llama2-7b", world_size=1, strategy="ddp", param_dtype=torch.bfloat16,
+                 batch_size=1, seq_len=4096)
+    at_step = b.phases["optimizer_step"]
+    assert at_step["params"] == 2 * P7B
+    assert at_step["grads"] == 2 * P7B
+    assert at_step["optimizer_state"] == 4 * P7B + 4 * TENSORS_7B
+    assert round(2 * P7B / 1e9) == 13 and round(at_step["optimizer_state"] / 1e9) == 27  # ~14/~28 for "7B"
+
+
+def test_zero3_equals_fsdp_full_shard():
+    """DeepSpeed ZeRO-3, fp16 params + mixed-precision AdamW: 16P/N bytes of model states per GPU."""
+    n = 8
+    b = estimate("llama2-7b", world_size=n, strategy="fsdp2", param_dtype=torch.bfloat16,
+                 optimizer="adamw_master", batch_size=1, seq_len=4096)
+    assert b.model_states - 4 * TENSORS_7B == 16 * P7B // n == deepspeed_model_states(P7B, n, 3)
+    # FSDP's native mixed precision: fp32 sharded parameters, gradients and AdamW states (4+4+8)
+    b = estimate("llama2-7b", world_size=n, strategy="fsdp2", param_dtype=torch.float32,
+                 compute_dtype=torch.bfloat16, batch_size=1, seq_len=4096)
+    assert b.model_states - 4 * TENSORS_7B == 16 * P7B // n
+
+
+def test_zero2_and_shard_grad_op():
+    """ZeRO-2 keeps full fp16 params: 2P + 14P/N. FSDP's SHARD_GRAD_OP keeps the gathered params
+    from forward to backward (2P) besides its sharded copy (2P/N)."""
+    n = 8
+    b = estimate("llama2-7b", world_size=n, strategy="fsdp1_shard_grad_op", param_dtype=torch.bfloat16,
+                 optimizer="adamw_master", batch_size=1, seq_len=4096)
+    at_step = b.phases["optimizer_step"]
+    gathered = b.phases["forward_end"]["unsharded_params"]
+    assert gathered == 2 * P7B
+    zero2 = gathered + at_step["sharded_grads"] + at_step["optimizer_state"] - 4 * TENSORS_7B
+    assert zero2 == 2 * P7B + 14 * P7B // n == deepspeed_model_states(P7B, n, 2)
+    assert at_step["sharded_params"] == 2 * P7B // n
+
+
+def test_activation_formula_by_hand():
+    """CPU config, batch 2 x 64 tokens, float32: each block saves 1,444,864 bytes (counted from
+    the tensors autograd keeps: see docs/memory.md)."""
+    T, d, f, h = 2 * 64, 128, 352, 4
+    norm = 4 * T * d + 2 * 4 * T * d + 4 * T
+    block = 2 * norm + 4 * 4 * T * d + 4 * T * h + 4 * T * d + 4 * 4 * T * f
+    assert block == 1_444_864
+    parts = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32)
+    assert parts["per_block"] == block
+    assert parts["total"] == 4 * block + norm + 4 * T * 512 + 8 * T
+    ac = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32, activation_checkpointing=True)
+    assert ac["blocks"] == 4 * 4 * T * d and ac["recompute"] == block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_process_matches_tracker(dtype):
+    measured = measure_step("cpu", strategy="ddp", batch_size=2, seq_len=64, param_dtype=dtype)
+    est = estimate("cpu", world_size=1, strategy="ddp", param_dtype=dtype, batch_size=2, seq_len=64)
+    at_step = est.phases["optimizer_step"]
+    for cat in ("params", "grads", "optimizer_state"):  # model states: exact
+        assert measured.max_by_category[cat] == at_step[cat], cat
+    acts = est.phases["forward_end"]["activations"]
+    assert abs(measured.max_by_category["activations"] - acts) <= 0.10 * acts
+    assert abs(measured.peak_total - est.total) <= 0.10 * est.total
+
+
+def _measure_strategies():
+    return {(s, raf): measure_step("cpu", strategy=s, batch_size=2, seq_len=64, reshard_after_forward=raf)
+            for s, raf in (("fsdp2", True), ("fsdp2", False), ("fsdp1_full_shard", True))}
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    return launch(_measure_strategies, world_size=2, timeout=240)
+
+
+@pytest.mark.parametrize("strategy,raf", [("fsdp2", True), ("fsdp2", False), ("fsdp1_full_shard", True)])
+def test_fsdp_matches_tracker(fsdp_results, strategy, raf):
+    for rank, results in enumerate(fsdp_results):
+        measured = results[(strategy, raf)]
+        assert measured.rank == rank
+        est = estimate("cpu", world_size=2, strategy=strategy, batch_size=2, seq_len=64, reshard_after_forward=raf)
+        at_step = est.phases["optimizer_step"]
+        end = measured.timeline[-2][1]  # after the optimizer step, before zero_grad's effect is read
+        assert measured.current["sharded_params"] == at_step["sharded_params"]
+        assert measured.current["optimizer_state"] == at_step["optimizer_state"]
+        assert end["sharded_grads"] == at_step["sharded_grads"]
+        acts = est.phases["forward_end"]["activations"]
+        assert abs(measured.max_by_category["activations"] - acts) <= 0.10 * acts
+        assert abs(measured.peak_total - est.total) <= 0.10 * est.total
+
+
+def test_fsdp_shards_are_half_on_two_ranks():
+    """Independent of the estimator: each rank of 2 holds ceil(rows/2) rows of every parameter."""
+    cfg = LlamaConfig.from_name("cpu")
+    rows = [512 * 128, 512 * 128, 128]  # embeddings, output, final norm (rows are split, sizes halve)
+    block = [128 * 128, 64 * 128, 64 * 128, 128 * 128, 352 * 128, 352 * 128, 128 * 352, 128, 128]
+    full = sum(rows) + cfg.n_layers * sum(block)
+    b = estimate(cfg, world_size=2, strategy="fsdp2", batch_size=1, seq_len=8)
+    assert b.phases["steady"]["sharded_params"] == 4 * full // 2
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="strategy"):
+        estimate("cpu", world_size=2, strategy="zero4", batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="optimizer"):
+        estimate("cpu", world_size=2, strategy="ddp", optimizer="lion", batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="batch_size"):
+        estimate("cpu", world_size=2, strategy="ddp", batch_size=0, seq_len=8)
+    with pytest.raises(ValueError, match="cpu_offload"):
+        estimate("cpu", world_size=2, strategy="ddp", batch_size=1, seq_len=8, cpu_offload=True)
+    with pytest.raises(ValueError, match="measure"):
+        measure_step("cpu", strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=8)
+
+
+def test_options_change_what_they_should():
+    base = dict(world_size=8, strategy="fsdp2", param_dtype=torch.bfloat16, batch_size=1, seq_len=4096)
+    plain = estimate("llama2-7b", **base)
+    ac = estimate("llama2-7b", **base, activation_checkpointing=True)
+    qlora = estimate("llama2-7b", **base, qlora=True)
+    offload = estimate("llama2-7b", **base, cpu_offload=True)
+    assert ac.phases["forward_end"]["activations"] < plain.phases["forward_end"]["activations"] / 5
+    assert qlora["quantized"] > 0 and qlora.model_states < plain.model_states / 5
+    # NF4: half a byte per weight plus an int8 scale per 64 weights and a factor per 256 scales
+    linears = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert qlora.phases["steady"]["quantized"] == math.ceil((linears // 2 + linears // 64 + 2 * linears // 64 // 256) / 8)
+    assert offload.phases["optimizer_step"]["optimizer_state"] == 0
+    assert offload.host["optimizer_state"] == plain.phases["optimizer_step"]["optimizer_state"]
+
+
+def test_cli_prints_the_breakdown(capsys):
+    parser = argparse.ArgumentParser(prog="fsdp-lab")
+    add_estimate_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args("estimate --model llama2-7b --world-size 8 --strategy fsdp2 --batch-size 1 "
+                             "--seq-len 4096 --ac".split())
+    text = run_estimate(args)
+    assert capsys.readouterr().out.strip() == text.strip()
+    assert "sharded_params" in text and "activations" in text and "6.74 B parameters" in text
+    args = parser.parse_args("estimate --model cpu --world-size 2 --strategy ddp --batch-size 2 "
+                             "--seq-len 64 --param-dtype float32 --unit MiB".split())
+    text = run_estimate(args)
+    est = estimate("cpu", world_size=2, strategy="ddp", batch_size=2, seq_len=64)
+    assert f"{est.total / 2**20:.3f} MiB" in text
+
+
+def test_hybrid_shards_within_its_group_and_no_shard_replicates():
+    common = dict(param_dtype=torch.bfloat16, batch_size=1, seq_len=512)
+    hybrid = estimate("llama2-7b", world_size=16, strategy="fsdp1_hybrid_shard", shard_group_size=8, **common)
+    full8 = estimate("llama2-7b", world_size=8, strategy="fsdp1_full_shard", **common)
+    assert hybrid.phases == full8.phases
+    no_shard = estimate("llama2-7b", world_size=8, strategy="fsdp1_no_shard", **common)
+    ddp = estimate("llama2-7b", world_size=8, strategy="ddp", **common)
+    assert no_shard.model_states == ddp.model_states == 2 * P7B + 2 * P7B + 4 * P7B + 4 * TENSORS_7B
+    with pytest.raises(ValueError, match="shard_group_size"):
+        estimate("llama2-7b", world_size=12, strategy="fsdp1_hybrid_shard", shard_group_size=8, **common)

@@ -1,0 +1,173 @@
+"""MemoryTracker: exact bytes per category on a model whose sizes are worked out by hand."""
+
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_lab.memory import tags
+from fsdp_lab.memory.tags import CATEGORIES
+from fsdp_lab.memory.tracker import MemoryResult, MemoryTracker, format_rows, merge_ranks
+
+F32 = 4
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 32, bias=False))
+
+
+def nonzero(d):
+    return {k: v for k, v in d.items() if v}
+
+
+def test_categories_exact_through_one_step():
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    params = (64 * 128 + 128 * 32) * F32  # 49152
+    with MemoryTracker(model, opt) as mt:
+        assert nonzero(mt.current()) == {"params": params}
+        x = torch.randn(16, 64)
+        # Linear saves x (16x64), ReLU saves its output (16x128), square saves y (16x32);
+        # the first Linear's output dies inside Sequential; the loss is a 4-byte scalar.
+        loss = model(x).square().sum()
+        acts = (16 * 64 + 16 * 128 + 16 * 32) * F32
+        assert nonzero(mt.current()) == {"params": params, "activations": acts, "temporaries": F32}
+        assert sum(mt.current().values()) == mt.live_bytes()
+        loss.backward()
+        # saved tensors released: x survives (held here) as a temporary, y and relu's output die
+        assert nonzero(mt.current()) == {"params": params, "grads": params, "temporaries": 16 * 64 * F32 + F32}
+        opt.step()
+        # exp_avg + exp_avg_sq like each parameter, and a float32 "step" scalar per parameter
+        assert nonzero(mt.current()) == {"params": params, "grads": params, "optimizer_state": 2 * params + 2 * F32,
+                                         "temporaries": 16 * 64 * F32 + F32}
+        assert sum(mt.current().values()) == mt.live_bytes()
+    assert mt.max_by_category()["activations"] == acts
+    assert sum(mt.peak().values()) == mt.peak_total() >= params * 3
+
+
+def test_peak_is_the_highest_moment_and_frees_are_seen():
+    with MemoryTracker() as mt:
+        a = torch.empty(1000)
+        b = torch.empty(2000)
+        del a
+        c = torch.empty(500)
+        view = b[10:]  # a view shares b's storage: no new bytes
+        assert mt.current()["temporaries"] == (2000 + 500) * F32
+        del b
+        assert mt.current()["temporaries"] == (2000 + 500) * F32  # the view keeps the storage alive
+        del view
+        assert mt.current()["temporaries"] == 500 * F32
+    assert mt.peak()["temporaries"] == mt.peak_total() == 3000 * F32
+    del c
+
+
+def test_storage_resize_is_accounted():
+    with MemoryTracker() as mt:
+        t = torch.empty(1000)
+        storage = t.untyped_storage()
+        storage.resize_(0)  # how FSDP frees an unsharded parameter without dropping the tensor
+        assert mt.current()["temporaries"] == 0
+        storage.resize_(6000)
+        assert mt.current()["temporaries"] == 6000
+    assert mt.peak_total() == 6000
+
+
+def test_explicit_tags_and_scope_win():
+    model = small_model()
+    tags.tag(model[0].weight, "sharded_params")
+    try:
+        with MemoryTracker(model) as mt:
+            buf = tags.tag(torch.empty(250), "comm_buffers")  # tagged after it was allocated
+            with tags.tag_scope("quantized"):
+                q = torch.empty(100, dtype=torch.uint8)
+        assert mt.current()["sharded_params"] == 64 * 128 * F32
+        assert mt.current()["params"] == 128 * 32 * F32
+        assert mt.current()["comm_buffers"] == 1000
+        assert mt.current()["quantized"] == 100
+        # the buffer was a temporary for a moment; the peak counts it in its final role
+        assert mt.peak()["comm_buffers"] == 1000 and mt.peak()["temporaries"] == 0
+    finally:
+        tags.untag(model[0].weight)
+    del buf, q
+
+
+def test_timeline_has_phase_boundaries():
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with MemoryTracker(model, opt) as mt:
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    labels = [label for label, _ in mt.timeline()]
+    for expected in ("start", "forward 0 start", "forward 2 end", "backward 2 start", "backward 1 end",
+                     "optimizer step start", "optimizer step end", "end"):
+        assert expected in labels
+    assert labels.index("forward 2 end") < labels.index("backward 2 start") < labels.index("optimizer step end")
+    for _, snap in mt.timeline():
+        assert set(snap) == set(CATEGORIES)
+
+
+def test_bad_phase_module_is_named():
+    with pytest.raises(ValueError, match="nope"):
+        MemoryTracker(small_model(), phase_modules=["nope"])
+
+
+def test_result_pickles_and_merges():
+    with MemoryTracker() as mt:
+        keep = torch.empty(10)
+    r0 = mt.result()
+    r1 = pickle.loads(pickle.dumps(r0))
+    r1.rank = 1
+    r1.peak = dict(r1.peak, comm_buffers=8)
+    rows = merge_ranks([r1, r0])
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert rows[0]["total"] == 40 and rows[1]["total"] == 48
+    assert "comm_buffers" in format_rows(rows, unit="B")
+    with pytest.raises(ValueError):
+        merge_ranks([r0], which="mean")
+    assert isinstance(r1, MemoryResult)
+    del keep
+
+
+def test_fake_tensors_are_measured_without_memory():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = nn.Linear(4096, 4096, bias=False)
+        with MemoryTracker(model) as mt:
+            out = model(torch.randn(8, 4096)).sum()
+    assert mt.current()["params"] == 4096 * 4096 * F32
+    assert mt.current()["activations"] == 8 * 4096 * F32  # the input, saved by Linear
+    del out
+
+
+@pytest.mark.gpu
+def test_cuda_allocator_stats():
+    model = small_model().cuda()
+    with MemoryTracker(model) as mt:
+        model(torch.randn(16, 64, device="cuda")).sum().backward()
+    result = mt.result()
+    assert result.cuda["max_allocated"] >= mt.peak_total() > 0
+    assert result.cuda["untracked_at_peak"] == result.cuda["max_allocated"] - mt.peak_total()
+    assert mt.current()["grads"] == (64 * 128 + 128 * 32) * F32
+
+
+def test_tracking_does_not_change_gradients():
+    """Saved tensors pass through the tracker's hooks: backward must give the same gradients."""
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama, apply_activation_checkpointing
+
+    batch = global_batch(512, 2, 16)
+    grads = []
+    for tracked in (False, True):
+        model = apply_activation_checkpointing(Llama("cpu", seed=0))
+        model.layers[0].checkpoint_activations = False  # one plain block, the rest checkpointed
+        if tracked:
+            with MemoryTracker(model):
+                model(batch).loss.backward()
+        else:
+            model(batch).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, tracked in zip(*grads):
+        torch.testing.assert_close(tracked, plain, rtol=0, atol=0)

@@ -1,0 +1,123 @@
+"""Memory plots (headless), the MemoryExplorer widget, and CUDA snapshot parsing/plotting."""
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from fsdp_lab.memory import snapshot  # noqa: E402
+from fsdp_lab.memory.tracker import MemoryTracker  # noqa: E402
+from fsdp_lab.viz.memory_plots import plot_breakdown, plot_estimate_vs_measured, plot_memory_curve  # noqa: E402
+from fsdp_lab.viz.memory_widgets import MemoryExplorer  # noqa: E402
+
+
+def bar_heights(ax):
+    return [round(p.get_height()) for p in ax.patches]
+
+
+def test_plot_breakdown_stacks_categories():
+    ax = plot_breakdown({"rank 0": {"params": 3 * 2**20, "activations": 2**20},
+                         "rank 1": {"params": 3 * 2**20, "activations": 2 * 2**20}}, unit="MiB")
+    # one bar per (category, label): params first, then activations stacked on top
+    assert bar_heights(ax) == [3, 3, 1, 2]
+    assert [p.get_y() for p in ax.patches][2:] == [3.0, 3.0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["params", "activations"]
+    plt.close("all")
+    with pytest.raises(ValueError, match="unknown memory categories"):
+        plot_breakdown([{"weights": 1}])
+
+
+def test_plot_memory_curve_from_a_tracker():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with MemoryTracker(model) as mt:
+        model(torch.randn(4, 8)).sum().backward()
+    ax = plot_memory_curve(mt.timeline(), label_every=2)
+    assert len(ax.collections) >= 2  # stacked areas (params, activations, ...) and the backward band
+    assert ax.get_xticklabels()[0].get_text() == "start"
+    plt.close("all")
+    with pytest.raises(ValueError):
+        plot_memory_curve([])
+
+
+def test_plot_estimate_vs_measured_pairs_bars():
+    ax = plot_estimate_vs_measured({"params": 2**20, "grads": 2**20}, {"params": 2**20, "grads": 2 * 2**20})
+    assert bar_heights(ax) == [1, 1, 1, 2]  # estimate params, grads; measured params, grads
+    assert sum(p.get_hatch() == "//" for p in ax.patches) == 2
+    plt.close("all")
+    ax = plot_estimate_vs_measured({"a": {"params": 2**20}, "b": {"params": 2**21}},
+                                   {"a": {"params": 2**20}, "b": {"params": 2**21}})
+    assert len(ax.get_xticks()) == 2
+    plt.close("all")
+
+
+def test_explorer_redraws_on_change_and_overlays_a_measurement():
+    ex = MemoryExplorer(model="cpu", world_size=2, strategy="fsdp2", batch_size=1, seq_len=32)
+    ex.explorer.update()
+    first = ex.explorer.last_png
+    assert first and "sharded_params" in ex.explorer.last_text
+    ex.controls["world_size"].value = 4  # observers redraw
+    assert ex.explorer.last_png != first
+    assert "sharded_params" in ex.explorer.last_text
+    ex.controls["world_size"].value = 2
+    ex.measure(simulated=True)
+    assert "measured peak" in ex.explorer.last_text, ex.status.value
+    fig, _ = ex.figure()
+    assert any(p.get_hatch() == "//" for p in fig.axes[0].patches)
+    plt.close("all")
+    ex.controls["qlora"].value = True
+    ex.measure()
+    assert "QLoRA" in ex.status.value
+    with pytest.raises(ValueError, match="unknown control"):
+        MemoryExplorer(colour="red")
+
+
+def synthetic_snapshot():
+    """A snapshot in torch's format: 1 MiB allocated before recording, then +2, +1, -2 MiB."""
+    mib = 2**20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 2 * mib, "time_us": 1000},
+        {"action": "alloc", "addr": 2, "size": mib, "time_us": 2000},
+        {"action": "free_requested", "addr": 1, "size": 2 * mib, "time_us": 2500},
+        {"action": "free_completed", "addr": 1, "size": 2 * mib, "time_us": 3000},
+    ]
+    segments = [{"device": 0, "blocks": [{"size": mib, "state": "active_allocated"},
+                                         {"size": mib, "state": "active_allocated"},
+                                         {"size": 2 * mib, "state": "inactive"}]}]
+    return {"segments": segments, "device_traces": [trace]}
+
+
+def test_snapshot_memory_over_time_and_plot(tmp_path):
+    import pickle
+
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(pickle.dumps(synthetic_snapshot()))
+    times, values = snapshot.memory_over_time(path)
+    assert times == [0.0, 1.0, 2.0]
+    assert [v // 2**20 for v in values] == [3, 4, 2]
+    ax = snapshot.plot_snapshot(path)
+    assert "peak 4.0 MiB" in [t.get_text() for t in ax.texts]
+    plt.close("all")
+    with pytest.raises(ValueError, match="device 1"):
+        snapshot.memory_over_time(synthetic_snapshot(), device=1)
+
+
+def test_snapshot_record_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        with snapshot.record():
+            pass
+
+
+@pytest.mark.gpu
+def test_snapshot_records_a_cuda_step(tmp_path):
+    model = torch.nn.Linear(256, 256).cuda()
+    path = tmp_path / "step.pickle"
+    with snapshot.record(path):
+        model(torch.randn(64, 256, device="cuda")).sum().backward()
+    times, values = snapshot.memory_over_time(path, device=torch.cuda.current_device())
+    assert max(values) >= 256 * 256 * 4 * 2  # weight and its gradient
+    snapshot.plot_snapshot(path, device=torch.cuda.current_device())
+    plt.close("all")
