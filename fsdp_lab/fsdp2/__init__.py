@@ -1,0 +1,16 @@
+"""FSDP2: per-parameter sharding with the API of ``torch.distributed.fsdp.fully_shard``.
+
+Read in this order: ``param.py`` (one parameter's life), ``param_group.py`` (a group's
+all-gather and reduce-scatter), ``fully_shard.py`` (the hooks that decide when),
+``state_dict.py`` (full state dicts for export). See docs/fsdp2.md.
+"""
+
+from fsdp_lab.fsdp2.fully_shard import (CPUOffloadPolicy, FSDPModule, OffloadPolicy, UnshardHandle,
+                                        fully_shard)
+from fsdp_lab.fsdp2.param import FSDPParam
+from fsdp_lab.fsdp2.param_group import FSDPParamGroup
+from fsdp_lab.fsdp2.state_dict import get_full_state_dict, load_full_state_dict
+from fsdp_lab.precision import MixedPrecisionPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CPUOffloadPolicy", "FSDPParam", "FSDPParamGroup", "get_full_state_dict", "load_full_state_dict"]

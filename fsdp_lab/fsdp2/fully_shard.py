@@ -1,0 +1,455 @@
+"""``fully_shard``: when each step of a parameter's life runs, driven by module and autograd hooks.
+
+``fully_shard(module)`` shards the parameters the module owns (those not already owned by a
+``fully_shard``-ed submodule) into one ``FSDPParamGroup`` and swaps the module's class for a
+subclass of ``FSDPModule``. From then on hooks run the group:
+
+* forward pre-hook: (first call only) lazy init of the root -> cast inputs -> unshard
+  (waiting for a prefetched all-gather) -> issue explicit forward prefetches -> wrap the
+  inputs so that autograd calls ``post_backward`` once the module's backward is done;
+* forward post-hook: reshard if ``reshard_after_forward`` -> hook the outputs so their
+  gradient triggers ``pre_backward`` -> cast outputs to ``output_dtype``;
+* pre_backward: unshard again (if resharded) -> prefetch the group that ran just before in
+  forward (implicit) or the explicit backward-prefetch list;
+* post_backward: reduce-scatter the gradients (async; the previous one is finished first so
+  only one is in flight) -> reshard if ``reshard_after_backward``;
+* a final callback queued on the autograd engine at the first pre_backward finishes every
+  group (modules whose inputs need no grad, tied weights used twice, unused prefetches) and
+  waits for the last reduce-scatter, so ``.grad`` is complete when ``backward()`` returns.
+
+The *root* is the first ``FSDPModule`` whose forward runs; it owns the bookkeeping shared by
+all groups below it (forward order for prefetch, the in-flight reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
+from fsdp_lab.fsdp2.param_group import FSDPParamGroup
+from fsdp_lab.precision import MixedPrecisionPolicy, cast_floating
+
+__all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
+
+
+# Original parameter (by identity) -> the name of the module that sharded it. Catches a
+# parameter reached from two separately sharded modules (e.g. tied embeddings).
+_CLAIMED = WeakIdKeyDictionary()
+_MESHES: dict[tuple[str, int], DeviceMesh] = {}
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy()):
+    """Shard ``module``'s parameters across ``mesh`` (like ``torch.distributed.fsdp.fully_shard``).
+
+    ``module`` may be a list: its modules form one group (one all-gather), e.g. tied
+    ``[model.tok_embeddings, model.output]``. ``mesh``: a 1-D ``DeviceMesh``; None builds one
+    over the whole world on this rank's device type. ``reshard_after_forward``: True frees the
+    gathered parameters after forward and gathers them again in backward; False keeps them
+    until after backward; None (default, as in PyTorch) means True except for the root module,
+    whose parameters would be gathered again at once. Returns ``module`` (now an ``FSDPModule``).
+
+    Raises:
+        ValueError: the module is already an FSDPModule; a parameter is already managed by
+            another ``fully_shard`` call; parameters on different devices; a mesh that is not
+            1-D over the whole world or whose device type differs from the parameters'.
+        TypeError: a non-floating parameter; a bad policy type.
+        NotImplementedError: an int ``reshard_after_forward`` (resharding to a smaller group).
+        RuntimeError: no default process group.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    _check_args(modules, reshard_after_forward, mp_policy, offload_policy)
+    mesh = mesh or _default_mesh()
+    device = _check_mesh(mesh)
+    fsdp_params = _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy)
+    name = ",".join(type(m).__name__ for m in modules)
+    group = FSDPParamGroup(fsdp_params, modules, mesh, device, reshard_after_forward is not False,
+                           mp_policy.reduce_dtype or mp_policy.param_dtype, name=name) if fsdp_params else None
+    state = _FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
+    for m in modules:
+        m._fsdp_state = state
+        m.__class__ = _fsdp_class(type(m))
+        m.register_forward_pre_hook(state.pre_forward_hook, with_kwargs=True)
+        m.register_forward_hook(state.post_forward_hook, with_kwargs=True)
+    return module
+
+
+# -- checks and construction ------------------------------------------------------------------
+def _check_args(modules, reshard_after_forward, mp_policy, offload_policy) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs a process group: run inside fsdp_lab.launch, torchrun "
+                           "(after fsdp_lab.init_distributed()), or fsdp_lab.simulated_world")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"{type(m).__name__} is already sharded by fully_shard; call it once per module")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"reshard_after_forward={reshard_after_forward} (reshard to a smaller group after forward) is not "
+            "supported by fsdp_lab's FSDP2; use True (free after forward) or False (keep until after backward)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a fsdp_lab.precision.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got {offload_policy!r}")
+
+
+def _default_mesh() -> DeviceMesh:
+    from fsdp_lab.dist import current_device
+    key = (current_device().type, id(dist.group.WORLD))  # a new process group needs a new mesh
+    if key not in _MESHES:
+        _MESHES.clear()
+        _MESHES[key] = init_device_mesh(key[0], (dist.get_world_size(),))
+    return _MESHES[key]
+
+
+def _check_mesh(mesh: DeviceMesh) -> torch.device:
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"fsdp_lab's fully_shard takes a 1-D mesh; got a {mesh.ndim}-D mesh "
+                         f"(hybrid sharding is not supported)")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}; "
+                         f"use init_device_mesh(device_type, ({dist.get_world_size()},)) or mesh=None")
+    from fsdp_lab.dist import current_device
+    device = current_device()
+    if mesh.device_type != device.type:
+        raise ValueError(f"the mesh is on {mesh.device_type!r} but this rank computes on {device}; "
+                         f"build the mesh with init_device_mesh({device.type!r}, ...)")
+    return device
+
+
+def _managed_params(modules: list[nn.Module]) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
+    """Parameters of ``modules`` not owned by a sharded submodule -> where each is registered."""
+    found: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    stack = list(modules)
+    visited: set[int] = set()
+    while stack:
+        m = stack.pop(0)
+        if id(m) in visited:
+            continue
+        visited.add(id(m))
+        for name, p in m._parameters.items():
+            if p is not None:
+                found.setdefault(p, []).append((m, name))
+        stack += [c for c in m.children() if not isinstance(c, FSDPModule)]
+    return found
+
+
+def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[FSDPParam]:
+    found = _managed_params(modules)
+    devices = {p.device for p in found}
+    if len(devices) > 1:
+        raise ValueError(f"the parameters of {type(modules[0]).__name__} are on different devices "
+                         f"({', '.join(sorted(map(str, devices)))}); move the module to one device first")
+    if devices == {torch.device("meta")}:
+        raise NotImplementedError("fully_shard on meta-device parameters is not supported by fsdp_lab's FSDP2; "
+                                  "materialise the model first (to_empty(device=...) + init_weights())")
+    names = {p: f"{type(infos[0][0]).__name__}.{infos[0][1]}" for p, infos in found.items()}
+    for p in found:
+        if p in _CLAIMED:
+            raise ValueError(
+                f"parameter {names[p]} is already managed by fully_shard({_CLAIMED[p]}); a parameter shared "
+                "between modules must be sharded once: pass those modules together, e.g. "
+                "fully_shard([model.tok_embeddings, model.output])")
+        if not (p.is_floating_point() or hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_shard")):
+            raise TypeError(f"parameter {names[p]} has dtype {p.dtype}; fully_shard shards floating-point "
+                            "parameters only (keep integer state in buffers)")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    fsdp_params = []
+    for p, infos in found.items():
+        data = p if p.device == device else p.to(device)
+        fsdp_params.append(FSDPParam(data, infos, mesh, device, mp_policy.param_dtype,
+                                     mp_policy.reduce_dtype or mp_policy.param_dtype, offload,
+                                     getattr(offload_policy, "pin_memory", False)))
+        _CLAIMED[p] = type(modules[0]).__name__
+    for fsdp_param in fsdp_params:
+        fsdp_param.to_sharded()
+    for m in modules:  # buffers follow the compute device
+        for b_name, b in list(m.named_buffers()):
+            if b.device != device:
+                owner, _, leaf = b_name.rpartition(".")
+                (m.get_submodule(owner) if owner else m)._buffers[leaf] = b.to(device)
+    return fsdp_params
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _CLASSES[cls]
+
+
+# -- the public module API -------------------------------------------------------------------
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None):
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """Mixin a module gains from ``fully_shard`` (its class becomes ``FSDP<Class>``)."""
+
+    _fsdp_state: "_FSDPState"
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now; with ``async_op`` return a handle to ``wait()`` on."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.unshard(async_op=True)
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters (modules see the sharded DTensors again)."""
+        if self._fsdp_state.group is not None:
+            self._fsdp_state.group.reshard()
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        modules = self.modules() if recurse else [self]
+        states = {id(m._fsdp_state): m._fsdp_state for m in modules if isinstance(m, FSDPModule)}
+        return [s.group for s in states.values() if s.group is not None]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True."""
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: keep parameters gathered after backward (e.g. between gradient-accumulation steps)."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at run time (bool only)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """In forward, right after this module's all-gather, issue those of ``modules``."""
+        self._fsdp_state.forward_prefetch = _states_of(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """In backward, issue the all-gathers of ``modules`` (instead of the implicit next one)."""
+        self._fsdp_state.backward_prefetch = _states_of(modules)
+
+
+def _states_of(modules: Iterable) -> list["_FSDPState"]:
+    modules = list(modules)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"prefetch targets must be fully_shard-ed modules, got {type(m).__name__}")
+    return [m._fsdp_state for m in modules]
+
+
+# -- hooks -----------------------------------------------------------------------------------
+class _RegisterPostBackward(torch.autograd.Function):
+    """Identity on the module's inputs; its backward runs once their gradients exist,
+    i.e. after the module's own backward."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class _RootContext:
+    """What the root shares with every state below it."""
+
+    def __init__(self, states: list["_FSDPState"]):
+        self.states = states
+        self.post_forward_order: list[_FSDPState] = []
+        self.callback_queued = False  # True from the first pre_backward to the end of backward
+        self.pending_reduce = None
+
+    @property
+    def in_backward(self) -> bool:
+        return self.callback_queued
+
+    def finish_pending_reduce(self) -> None:
+        if self.pending_reduce is not None:
+            pending, self.pending_reduce = self.pending_reduce, None
+            pending.wait()
+
+
+class _FSDPState:
+    """The hooks of one ``fully_shard`` call (shared by all modules of a list)."""
+
+    def __init__(self, modules, group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy, auto_reshard: bool):
+        self.modules, self.group, self.mp_policy = modules, group, mp_policy
+        self.auto_reshard = auto_reshard
+        self.is_root: bool | None = None
+        self.root: _RootContext | None = None
+        self.forward_prefetch: list[_FSDPState] = []
+        self.backward_prefetch: list[_FSDPState] | None = None
+        self._in_forward = 0
+        self._pre_backward_done = False
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every state in its modules' subtrees."""
+        states: list[_FSDPState] = []
+        for top in self.modules:
+            for m in top.modules():
+                state = getattr(m, "_fsdp_state", None)
+                if state is not None and state not in states:
+                    states.append(state)
+        context = _RootContext(states)
+        names = {id(m): name for top in self.modules for name, m in top.named_modules()}
+        for state in states:  # label timeline events with module paths, e.g. "layers.0"
+            if state.group is not None:
+                state.group.name = ",".join(names.get(id(m)) or "root" for m in state.modules)
+        for state in states:
+            if state.is_root is not None and state is not self:
+                raise RuntimeError("an FSDPModule ran forward on its own before its parent; run the root first")
+            state.is_root, state.root = state is self, context
+        if self.auto_reshard and self.group is not None:
+            self.group.reshard_after_forward = False  # gathered again right away in backward
+
+    def pre_forward_hook(self, module, args, kwargs):
+        if self.is_root is None:
+            self.lazy_init()
+        if self.is_root and self._in_forward == 0:
+            self.root.finish_pending_reduce()
+            if torch.is_grad_enabled():
+                self.root.post_forward_order = []
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        self._in_forward += 1
+        if self.group is not None:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+            self._pre_backward_done = False
+        for target in self.forward_prefetch:
+            if target.group is not None:
+                target.group.unshard(async_op=True)
+        if torch.is_grad_enabled() and not self.root.in_backward:
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _register_post_backward(self, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions or self.group is None:
+            return args, kwargs
+        wrapped = _RegisterPostBackward.apply(self, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, wrapped):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def post_forward_hook(self, module, args, kwargs, output):
+        self._in_forward -= 1
+        if self._in_forward > 0:  # another module of this group is still running
+            return output
+        if self.root.in_backward:  # recomputed forward (activation checkpointing): backward needs the params
+            return output
+        training = torch.is_grad_enabled()
+        if self.group is not None:
+            if self.group.reshard_after_forward or not training:  # no backward will come to reshard
+                self.group.reshard()
+            if training:
+                self.root.post_forward_order.append(self)
+        if training:
+            for tensor in _tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook)
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floating(output, self.mp_policy.output_dtype)
+        return output
+
+    def _pre_backward_hook(self, grad):
+        self.pre_backward()
+        return grad
+
+    def pre_backward(self) -> None:
+        root = self.root
+        if not root.callback_queued:
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root_final_callback_for(root))
+        if self._pre_backward_done or self.group is None:
+            return
+        self._pre_backward_done = True
+        self.group.unshard()
+        self.group.wait_for_unshard()
+        for target in self._backward_prefetch_targets():
+            if target.group is not None:
+                target.group.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list["_FSDPState"]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.root.post_forward_order
+        if self not in order:
+            return []
+        index = len(order) - 1 - order[::-1].index(self)
+        return [order[index - 1]] if index > 0 else []
+
+    def post_backward(self) -> None:
+        """Reduce the gradients this group holds and reshard (may run more than once per backward)."""
+        if self.group is None:
+            return
+        reduce = self.group.reduce_grads()
+        if reduce is not None:
+            self.root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
+            self.root.pending_reduce = reduce
+        if self.group.reshard_after_backward:
+            self.group.reshard()
+
+
+def root_final_callback_for(root: _RootContext):
+    """The function the autograd engine runs once the whole backward is done."""
+
+    def final_callback() -> None:
+        for state in root.states:
+            if state.group is None:
+                continue
+            state.group.wait_for_unshard()  # a prefetch nobody used
+            state.post_backward()
+            state._pre_backward_done = False
+        root.finish_pending_reduce()
+        root.callback_queued = False
+
+    return final_callback
+
+
+def _tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Tensors inside nested tuples, lists, dicts and dataclasses."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in _tensors_in(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors_in(x)]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return [t for f in dataclasses.fields(tree) for t in _tensors_in(getattr(tree, f.name))]
+    return []

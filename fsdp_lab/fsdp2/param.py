@@ -1,0 +1,255 @@
+"""One parameter's life under FSDP2: sharded -> gathered -> used -> freed -> grad reduced.
+
+``FSDPParam`` owns everything that is *per parameter*; ``param_group.py`` batches the
+collectives of many parameters and ``fully_shard.py`` decides *when* each step runs.
+
+1. **Shard** (``__init__``). The full tensor is cut along dim 0 the way ``torch.chunk`` cuts
+   it: every rank gets ``ceil(rows / world_size)`` rows, the last ranks fewer (maybe none).
+   Each rank stores its rows in a *padded* buffer of the full ``ceil`` size, so all ranks
+   all-gather the same number of elements; the public parameter is a ``DTensor``
+   (``Shard(0)``) whose local tensor is the unpadded view of that buffer. Optimizers and
+   state dicts see only DTensors.
+2. **All-gather inputs** (``all_gather_inputs``). The padded shard (or, for a tensor subclass
+   with ``fsdp_pre_all_gather``, whatever it chooses to send, e.g. packed NF4 bytes).
+3. **Unshard** (``alloc_all_gather_outputs`` + ``init_unsharded_param``). The group copies
+   the gathered bytes into this parameter's ``all_gather_outputs`` (one flat tensor per
+   input, rank-major, padding included); the unsharded parameter is a view of them, or what
+   ``fsdp_post_all_gather`` builds from them. It is created once and kept: between uses its
+   storage is resized to 0 (``free_unsharded_param``), so autograd's saved references stay
+   valid and come back to life when the next all-gather refills the same storage.
+4. **Swap** (``to_unsharded`` / ``to_sharded``). The module's attribute points at the
+   unsharded ``nn.Parameter`` during forward/backward and at the sharded DTensor otherwise.
+5. **Gradient** (``take_unsharded_grad`` / ``padded_unsharded_grad`` / ``accumulate_sharded_grad``).
+   The full-size gradient autograd left on the unsharded parameter is padded to the gathered
+   size for the group's reduce-scatter; this rank's reduced rows become (or are added to)
+   the DTensor's ``.grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from fsdp_lab.memory.tags import tag
+
+__all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading (PyTorch's default ``OffloadPolicy()``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and gradients on CPU; the optimizer step runs on CPU.
+
+    pin_memory: pin the CPU shards for faster copies to the GPU (ignored without CUDA).
+    """
+
+    pin_memory: bool = True
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for dim in reversed(size):
+        stride.append(running)
+        running *= dim
+    return tuple(reversed(stride))
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    storage = tensor.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class FSDPParam:
+    """State of one original parameter managed by a ``fully_shard`` group.
+
+    ``module_infos``: every (module, attribute name) through which the parameter is reached
+    (more than one for tied weights). ``device``: where compute runs; ``offload`` keeps the
+    shard (and its gradient) on CPU instead. Raises ValueError for a 0-dim parameter.
+    """
+
+    def __init__(self, param: nn.Parameter, module_infos: list[tuple[nn.Module, str]], mesh, device: torch.device,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, offload: bool = False,
+                 pin_memory: bool = False):
+        if param.dim() == 0:
+            raise ValueError(f"cannot shard the 0-dim parameter {module_infos[0][1]!r} on dim 0; "
+                             "give it shape (1,) or keep it out of fully_shard")
+        self.module_infos = module_infos
+        self.mesh, self.device = mesh, device
+        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        self.orig_size, self.orig_dtype = param.shape, param.dtype
+        self.requires_grad = param.requires_grad
+        self.param_dtype = param_dtype if param_dtype not in (None, param.dtype) else None
+        self.reduce_dtype = reduce_dtype
+        self.offload, self.pin_memory = offload, pin_memory and torch.cuda.is_available()
+        rows = self.orig_size[0]
+        self.padded_rows = math.ceil(rows / self.world_size)
+        self.padded_sharded_size = torch.Size([self.padded_rows, *self.orig_size[1:]])
+        self.local_rows = max(0, min(self.padded_rows, rows - self.rank * self.padded_rows))
+        self.all_gather_outputs: list[torch.Tensor] = []
+        self._unsharded_param: nn.Parameter | None = None
+        self._unsharded_inner_tensors: list[torch.Tensor] = []
+        self._metadata = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self._init_sharded_param(param.detach())
+
+    # -- 1. shard -------------------------------------------------------------------------
+    def _init_sharded_param(self, data: torch.Tensor) -> None:
+        storage_device = torch.device("cpu") if self.offload else self.device
+        if hasattr(data, "fsdp_shard"):  # a tensor subclass that shards (and pads) itself
+            local = data.fsdp_shard(self.rank, self.world_size).to(storage_device)
+            self._sharded_data = None
+        else:
+            padded = torch.zeros(self.padded_sharded_size, dtype=data.dtype, device=storage_device)
+            start = self.rank * self.padded_rows
+            padded[: self.local_rows].copy_(data[start:start + self.local_rows])
+            if self.pin_memory and storage_device.type == "cpu":
+                padded = padded.pin_memory()
+            tag(padded, "sharded_params")
+            self._sharded_data = padded
+            local = padded.narrow(0, 0, self.local_rows)
+        self.is_extension = hasattr(local, "fsdp_pre_all_gather")
+        self._spec = DTensorSpec(self.mesh, (Shard(0),), tensor_meta=TensorMeta(
+            self.orig_size, _contiguous_stride(self.orig_size), self.orig_dtype))
+        self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=self.requires_grad)
+
+    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        # DTensor(...) wraps ``local`` itself (DTensor.from_local would take a view, which a
+        # quantized subclass need not support)
+        return DTensor(local, self._spec, requires_grad=False)
+
+    @property
+    def sharded_local_tensor(self) -> torch.Tensor:
+        return self.sharded_param._local_tensor
+
+    # -- 2. all-gather inputs -------------------------------------------------------------
+    def all_gather_inputs(self) -> tuple[list[torch.Tensor], list[torch.dtype]]:
+        """What this rank contributes to the group's all-gather, and the dtype each travels in."""
+        if self.is_extension:
+            module = self.module_infos[0][0]
+            from fsdp_lab.precision import MixedPrecisionPolicy
+            policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+            local = self.sharded_local_tensor
+            if self.offload:
+                local = local.to(self.device, non_blocking=True)
+            inputs, self._metadata = local.fsdp_pre_all_gather(
+                self.mesh, self.orig_size, _contiguous_stride(self.orig_size), module, policy)
+            return list(inputs), [t.dtype for t in inputs]
+        data = self._sharded_data
+        if self.offload:
+            data = data.to(self.device, non_blocking=True)
+        return [data], [self.param_dtype or self.orig_dtype]
+
+    # -- 3. unshard -----------------------------------------------------------------------
+    def alloc_all_gather_outputs(self, inputs: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """The flat, rank-major tensors the group copies gathered data into (allocated once,
+        refilled by resizing their storage)."""
+        if not self.all_gather_outputs:
+            self.all_gather_outputs = [
+                tag(torch.empty(t.numel() * self.world_size, dtype=d, device=self.device), "unsharded_params")
+                for t, d in zip(inputs, dtypes)
+            ]
+        for out in self.all_gather_outputs:
+            _alloc_storage(out)
+        return self.all_gather_outputs
+
+    def init_unsharded_param(self, input_sizes: list[torch.Size]) -> None:
+        """Build (first time) or refresh the unsharded parameter from ``all_gather_outputs``."""
+        outputs = tuple(out.view(self.world_size * size[0], *size[1:]) if len(size) else out
+                        for out, size in zip(self.all_gather_outputs, input_sizes))
+        if self.is_extension:
+            local = self.sharded_local_tensor
+            dtype = self.param_dtype or self.orig_dtype
+            if self._unsharded_param is not None:
+                for inner in self._unsharded_inner_tensors:
+                    _alloc_storage(inner)
+                local.fsdp_post_all_gather(outputs, self._metadata, dtype, out=self._unsharded_param)
+                return
+            unsharded, inner = local.fsdp_post_all_gather(outputs, self._metadata, dtype)
+            self._unsharded_inner_tensors = list(inner)
+        else:
+            if self._unsharded_param is not None:
+                return  # a view of all_gather_outputs[0], whose storage was just refilled
+            unsharded = outputs[0].narrow(0, 0, self.orig_size[0])
+        self._unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
+
+    def free_unsharded_param(self) -> None:
+        """Release the unsharded bytes; the tensors stay, with storage of size 0."""
+        for tensor in [*self.all_gather_outputs, *self._unsharded_inner_tensors]:
+            _free_storage(tensor)
+
+    @property
+    def unsharded_param(self) -> nn.Parameter:
+        if self._unsharded_param is None:
+            raise RuntimeError("the parameter has not been all-gathered yet; call unshard() first")
+        return self._unsharded_param
+
+    # -- 4. swap --------------------------------------------------------------------------
+    def to_unsharded(self) -> None:
+        for module, name in self.module_infos:
+            module._parameters[name] = self.unsharded_param
+
+    def to_sharded(self) -> None:
+        for module, name in self.module_infos:
+            module._parameters[name] = self.sharded_param
+
+    # -- 5. gradient ----------------------------------------------------------------------
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Remove and return the full gradient (plus what was accumulated without sync), or None."""
+        grad = None
+        if self._unsharded_param is not None and self._unsharded_param.grad is not None:
+            grad = tag(self._unsharded_param.grad, "unsharded_grads")
+            self._unsharded_param.grad = None
+        if self.unsharded_accumulated_grad is not None:
+            acc, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+            grad = acc if grad is None else acc.add_(grad.to(acc.dtype))
+        return grad
+
+    def accumulate_unsharded_grad(self) -> None:
+        """Without gradient sync: keep the full gradient aside (in the reduce dtype) for later."""
+        if self._unsharded_param is None or self._unsharded_param.grad is None:
+            return
+        grad, self._unsharded_param.grad = self._unsharded_param.grad, None
+        dtype = self.reduce_dtype or grad.dtype
+        if self.unsharded_accumulated_grad is None:
+            self.unsharded_accumulated_grad = tag(grad.to(dtype, copy=grad.dtype != dtype), "unsharded_grads")
+        else:
+            self.unsharded_accumulated_grad.add_(grad.to(dtype))
+
+    def padded_unsharded_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` with dim 0 padded to ``world_size * padded_rows`` (a copy only when padding is needed)."""
+        padded_rows = self.world_size * self.padded_rows
+        if grad.shape[0] == padded_rows:
+            return grad
+        padded = grad.new_zeros((padded_rows, *grad.shape[1:]))
+        padded[: grad.shape[0]].copy_(grad)
+        return padded
+
+    def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
+        """Make this rank's reduced rows (a flat slice of the padded shard) the DTensor's grad, or add them to it."""
+        local = reduced_shard.view(self.padded_sharded_size).narrow(0, 0, self.local_rows)
+        local = local.to(self.orig_dtype)
+        if self.offload:
+            local = local.to("cpu", non_blocking=True)
+        tag(local, "sharded_grads")
+        existing = self.sharded_param.grad
+        if existing is not None:
+            existing._local_tensor.add_(local)
+            return
+        self.sharded_param.grad = self._to_dtensor(local)

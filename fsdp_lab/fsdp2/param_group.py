@@ -1,0 +1,182 @@
+"""A group's collectives: one all-gather to unshard, one reduce-scatter for its gradients.
+
+Every ``fully_shard`` call makes one ``FSDPParamGroup`` of the parameters it manages. The
+group batches its parameters' per-parameter steps (see ``param.py``) into one collective
+each way:
+
+* **unshard** = copy-in (every parameter's shard, cast to ``param_dtype``, into one flat
+  buffer) -> one ``all_gather_into_tensor`` (async) -> copy-out (``split_with_sizes_copy``
+  from the rank-major output into each parameter's ``all_gather_outputs``). When the inputs
+  do not share one dtype (e.g. NF4 bytes beside float scales) the buffer is ``uint8`` and
+  each input travels as its raw bytes.
+* **reshard** = point modules back at the sharded DTensors and free the unsharded storage.
+* **reduce** = copy-in of the padded gradients in ``reduce_dtype`` -> one
+  ``reduce_scatter_tensor`` (average, async) -> each parameter's rows become its sharded grad.
+
+State is just ``is_unsharded`` plus the in-flight all-gather and reduce-scatter, which lets
+``unshard(async_op=True)`` serve prefetching: issue now, ``wait_for_unshard()`` when needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab import collectives
+from fsdp_lab.fsdp2.param import FSDPParam
+from fsdp_lab.memory.tags import tag
+
+__all__ = ["FSDPParamGroup"]
+
+
+class _AllGather:
+    """An all-gather in flight: its handle, output buffer and what to copy out where."""
+
+    def __init__(self, handle, output, buffer_dtype, input_sizes, split_numels):
+        self.handle, self.output, self.buffer_dtype = handle, output, buffer_dtype
+        self.input_sizes, self.split_numels = input_sizes, split_numels
+
+
+class _ReduceScatter:
+    """A reduce-scatter in flight; ``wait()`` hands each parameter its reduced rows."""
+
+    def __init__(self, handle, output, params, split_numels):
+        self.handle, self.output, self.params, self.split_numels = handle, output, params, split_numels
+
+    def wait(self) -> None:
+        self.handle.wait()
+        for fsdp_param, shard in zip(self.params, torch.split(self.output, self.split_numels)):
+            fsdp_param.accumulate_sharded_grad(shard)
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard`` call and their collectives on ``mesh``.
+
+    ``name`` labels timeline events (``meta={"module": name}``).
+    """
+
+    def __init__(self, fsdp_params: list[FSDPParam], modules: list[nn.Module], mesh, device: torch.device,
+                 reshard_after_forward: bool, reduce_dtype: torch.dtype | None, name: str = ""):
+        self.fsdp_params, self.modules = fsdp_params, modules
+        self.mesh, self.group, self.device = mesh, mesh.get_group(), device
+        self.world_size = mesh.size()
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.reduce_dtype = reduce_dtype
+        self.name = name
+        self.is_unsharded = False
+        self._all_gather: _AllGather | None = None
+
+    # -- unshard ---------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather every parameter of the group (no-op if gathered or being gathered).
+
+        With ``async_op`` the collective is only issued; ``wait_for_unshard()`` finishes it.
+        """
+        if self.is_unsharded or self._all_gather is not None:
+            return
+        inputs, dtypes, owners = [], [], []
+        for fsdp_param in self.fsdp_params:
+            param_inputs, param_dtypes = fsdp_param.all_gather_inputs()
+            inputs += param_inputs
+            dtypes += param_dtypes
+            owners.append(len(param_inputs))
+        uniform = len(set(dtypes)) == 1
+        buffer_dtype = dtypes[0] if uniform else torch.uint8
+        if uniform:  # _foreach_copy_ casts to param_dtype on the way in
+            sources = [t.reshape(-1) for t in inputs]
+        else:  # every input as raw bytes
+            sources = [t.to(d).reshape(-1).view(torch.uint8) for t, d in zip(inputs, dtypes)]
+        split_numels = [s.numel() for s in sources]
+        flat_input = tag(torch.empty(sum(split_numels), dtype=buffer_dtype, device=self.device), "comm_buffers")
+        torch._foreach_copy_(list(torch.split(flat_input, split_numels)), sources)
+        output = tag(torch.empty(flat_input.numel() * self.world_size, dtype=buffer_dtype, device=self.device),
+                     "comm_buffers")
+        handle = collectives.all_gather_into_tensor(output, flat_input, group=self.group, async_op=True,
+                                                    meta={"module": self.name})
+        input_sizes = [t.shape for t in inputs]
+        self._all_gather = _AllGather(handle, output, buffer_dtype, input_sizes, split_numels)
+        self._all_gather_dtypes, self._all_gather_inputs = dtypes, inputs  # for copy-out
+        self._owners = owners
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish an issued all-gather: copy-out, build unsharded params, point modules at them."""
+        pending, self._all_gather = self._all_gather, None
+        if pending is None:
+            return
+        pending.handle.wait()
+        destinations, index = [], 0
+        for fsdp_param, count in zip(self.fsdp_params, self._owners):
+            outs = fsdp_param.alloc_all_gather_outputs(self._all_gather_inputs[index:index + count],
+                                                       self._all_gather_dtypes[index:index + count])
+            destinations += [o.view(pending.buffer_dtype).view(self.world_size, -1) for o in outs]
+            index += count
+        # Refilling storage that autograd may have saved in forward is not a mutation of the
+        # values it saw, so the version counters stay as they were.
+        with torch.autograd._unsafe_preserve_version_counter(tuple(destinations)):
+            torch.split_with_sizes_copy(pending.output.view(self.world_size, -1), pending.split_numels, dim=1,
+                                        out=destinations)
+        index = 0
+        for fsdp_param, count in zip(self.fsdp_params, self._owners):
+            fsdp_param.init_unsharded_param(pending.input_sizes[index:index + count])
+            fsdp_param.to_unsharded()
+            index += count
+        self._all_gather_inputs = self._all_gather_dtypes = None
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Point modules back at the sharded parameters and free the unsharded storage."""
+        if self._all_gather is not None:
+            self.wait_for_unshard()  # never leave a collective behind
+        if not self.is_unsharded:
+            return
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+            fsdp_param.free_unsharded_param()
+        self.is_unsharded = False
+
+    # -- gradients -------------------------------------------------------------------------
+    def reduce_grads(self) -> _ReduceScatter | None:
+        """Issue the reduce-scatter of every gradient the group holds; None if it holds none.
+
+        Without gradient sync the gradients are set aside unsharded instead (no collective).
+        Frozen parameters never have gradients, so they never take part.
+        """
+        if not self.requires_gradient_sync:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.accumulate_unsharded_grad()
+            return None
+        params, grads = [], []
+        for fsdp_param in self.fsdp_params:
+            grad = fsdp_param.take_unsharded_grad()
+            if grad is not None:
+                params.append(fsdp_param)
+                grads.append(fsdp_param.padded_unsharded_grad(grad))
+        if not params:
+            return None
+        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        collectives.ensure_reducible(reduce_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
+        split_numels = [g.numel() // self.world_size for g in grads]
+        flat_input = tag(torch.empty(sum(split_numels) * self.world_size, dtype=reduce_dtype, device=self.device),
+                         "comm_buffers")
+        # rank r's chunk of the input holds rows [r*padded_rows, (r+1)*padded_rows) of every gradient
+        columns = torch.split(flat_input.view(self.world_size, -1), split_numels, dim=1)
+        torch._foreach_copy_(list(columns), [g.view(self.world_size, -1) for g in grads])
+        del grads
+        output = tag(torch.empty(sum(split_numels), dtype=reduce_dtype, device=self.device), "sharded_grads")
+        op = "avg" if self.world_size > 1 else "sum"
+        handle = collectives.reduce_scatter_tensor(output, flat_input, op=op, group=self.group, async_op=True,
+                                                   meta={"module": self.name})
+        return _ReduceScatter(handle, output, params, split_numels)
+
+    # -- inspection --------------------------------------------------------------------------
+    def unsharded_bytes(self) -> int:
+        """Bytes of unsharded parameter storage this group holds right now."""
+        return sum(out.untyped_storage().nbytes() for p in self.fsdp_params for out in p.all_gather_outputs)
+
+    def sharded_bytes(self) -> int:
+        """Bytes of this rank's padded shards (the storage behind the DTensors)."""
+        return sum(p.sharded_local_tensor.untyped_storage().nbytes() for p in self.fsdp_params)
