@@ -1,0 +1,205 @@
+"""Process-group plumbing: which backend, which device, torchrun, and a simulated world.
+
+Three ways a rank comes to life:
+
+* ``fsdp_lab.launch`` starts the ranks itself (see launch.py) and uses
+  :func:`choose_backend` and :func:`device_for_rank` from here;
+* ``torchrun`` starts them and :func:`init_distributed` reads its environment;
+* :func:`simulated_world` makes one process rank ``r`` of ``N`` on torch's fake process
+  group, where memory is real and collectives return without exchanging data.
+
+Backend "auto": NCCL with one GPU per rank when there are at least as many GPUs as ranks
+(per node); when ranks must share GPUs, gloo, with CUDA tensors staged through host memory
+by ``fsdp_lab.collectives`` (see :func:`comm_needs_host_staging`); with no GPU, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+# launch.py sets this in each child so current_device() needs no process-group query.
+DEVICE_ENV = "FSDP_LAB_DEVICE"
+
+SIMULATED_NOTE = (
+    "communication is simulated: collectives return without exchanging data; memory is real"
+)
+
+
+def choose_backend(world_size: int, backend: str = "auto") -> str:
+    """Return the process-group backend ("nccl" or "gloo") for ``world_size`` ranks on this node.
+
+    "auto" picks NCCL when NCCL is available and there is one GPU per rank, else gloo (ranks
+    share GPUs when there are some, or run on CPU). Looks at GPUs without initialising CUDA.
+
+    Raises:
+        ValueError: ``world_size`` < 1, an unknown backend, or ``backend="nccl"`` with fewer
+            GPUs than ranks or without NCCL in this torch build.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    n_gpus = torch.cuda.device_count()
+    nccl_ok = dist.is_nccl_available() and n_gpus > 0
+    if backend == "auto":
+        return "nccl" if nccl_ok and n_gpus >= world_size else "gloo"
+    if backend == "nccl":
+        if not nccl_ok:
+            raise ValueError(
+                "backend='nccl' needs CUDA GPUs and a torch build with NCCL; this machine has "
+                f"{n_gpus} GPU(s){'' if dist.is_nccl_available() else ' and no NCCL'}. "
+                "Use backend='gloo' (or 'auto')."
+            )
+        if n_gpus < world_size:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+                f"{n_gpus} GPU(s) are visible. Use world_size<={n_gpus}, or backend='gloo' "
+                "(or 'auto') to let ranks share GPUs over gloo."
+            )
+    return backend
+
+
+def device_for_rank(local_rank: int, backend: str) -> torch.device:
+    """The device rank ``local_rank`` computes on: cuda:local_rank under NCCL,
+    cuda:(local_rank % n_gpus) under gloo when GPUs exist (shared GPUs), cpu otherwise."""
+    n_gpus = torch.cuda.device_count()
+    if backend == "nccl":
+        return torch.device("cuda", local_rank)
+    if n_gpus > 0:
+        return torch.device("cuda", local_rank % n_gpus)
+    return torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on (cpu, or cuda:i).
+
+    Inside ``launch`` it is the device launch assigned; under torchrun it follows LOCAL_RANK
+    and the backend; outside any process group it is cuda:current when a GPU exists, else cpu.
+    """
+    forced = os.environ.get(DEVICE_ENV)
+    if forced:
+        return torch.device(forced)
+    if dist.is_initialized() and not is_simulated():
+        local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        return device_for_rank(local_rank, dist.get_backend())
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def comm_needs_host_staging() -> bool:
+    """True when the process group is gloo and this rank computes on a GPU (ranks sharing
+    GPUs): gloo cannot take CUDA tensors for every collective, so they go through host memory."""
+    return (
+        dist.is_initialized()
+        and dist.get_backend() == "gloo"
+        and current_device().type == "cuda"
+    )
+
+
+def is_simulated() -> bool:
+    """True inside :func:`simulated_world` (torch's fake process group)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def get_rank() -> int:
+    """Rank in the default process group, 0 when there is none."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Size of the default process group, 1 when there is none."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[int, int]:
+    """Initialise the default process group from the environment torchrun sets.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (LOCAL_WORLD_SIZE, when
+    set, decides "auto": NCCL needs one GPU per local rank). Under NCCL it also sets the CUDA
+    device to LOCAL_RANK. ``timeout`` (seconds) bounds every collective. If a process group
+    already exists it is kept. Returns ``(rank, world_size)``.
+
+    Raises:
+        RuntimeError: the torchrun variables are missing.
+        ValueError: as :func:`choose_backend`.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [name for name in needed if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed() needs the torchrun environment ({', '.join(missing)} not set): "
+            "run under torchrun (torchrun --nproc-per-node N script.py) or use "
+            "fsdp_lab.launch(fn, world_size=N) from a notebook or script."
+        )
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = choose_backend(local_world_size, backend)
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device_id,
+    )
+    return rank, world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedWorld:
+    """What :func:`simulated_world` yields: this process's place in the simulated world."""
+
+    rank: int
+    world_size: int
+    note: str = SIMULATED_NOTE
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, rank: int = 0) -> Iterator[SimulatedWorld]:
+    """Run this process as rank ``rank`` of ``world_size`` on torch's fake process group.
+
+    Tensors and memory are real; collectives return at once without exchanging data (an
+    all-reduce of ones stays ones). Use it for memory questions bigger than the machine; say
+    ``world.note`` wherever results are shown. The group is destroyed on exit, also on error.
+
+    Raises:
+        ValueError: world_size < 1 or rank outside [0, world_size).
+        RuntimeError: a process group (real or simulated) is already initialised.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if dist.is_initialized():
+        if is_simulated():
+            raise RuntimeError("simulated_world() cannot be nested: leave the outer one first")
+        raise RuntimeError(
+            "simulated_world() needs a process without a process group, but a real one "
+            f"({dist.get_backend()}, world size {dist.get_world_size()}) is initialised: "
+            "use it from the notebook kernel, not inside launch() or torchrun"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield SimulatedWorld(rank=rank, world_size=world_size)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,96 @@
+"""The fsdp-lab command line: env, bench, argument errors, and the list of subcommands."""
+
+import platform
+import sys
+import types
+
+import pytest
+import torch
+
+from fsdp_lab import cli, collectives
+
+
+def test_env_reports_versions_devices_backends_and_a_working_launch(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    lines = {line[:24].strip(): line[25:] for line in out.splitlines()}
+    assert lines["python"] == platform.python_version()
+    assert lines["torch"] == torch.__version__
+    n_gpus = torch.cuda.device_count()
+    assert lines["CUDA"] == (f"available, {n_gpus} device(s)" if n_gpus else "not available")
+    assert lines["gloo"] == "yes"
+    if n_gpus >= 2:
+        assert lines["auto backend, 2 ranks"] == "nccl, one GPU per rank"
+    elif n_gpus == 0:
+        assert lines["auto backend, 2 ranks"] == "gloo on CPU"
+    assert lines["launch"].startswith("2 ranks, all_reduce of ones -> [2.0, 2.0]: ok in ")
+
+
+def test_parse_sizes():
+    assert cli.parse_sizes("1K,1M,16M") == [1024, 2**20, 16 * 2**20]
+    assert cli.parse_sizes("4096, 2g, 3KiB") == [4096, 2 * 2**30, 3 * 1024]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the following arguments are required: command"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["bench", "--op", "all_to_all"], "argument --op: invalid choice: 'all_to_all'"),
+    (["bench", "--sizes", "1K,12Q"], "bad size '12Q': use positive byte counts"),
+    (["bench", "--sizes", "0"], "bad size '0'"),
+    (["bench", "--world-size", "0"], "argument --world-size: expected an integer >= 1, got '0'"),
+    (["env", "--world-size", "two"], "expected an integer >= 1, got 'two'"),
+])
+def test_argument_errors_exit_2_with_usage(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fsdp-lab") and message in err
+
+
+def test_bench_passes_arguments_through_and_prints_a_table(capsys, monkeypatch):
+    calls = []
+
+    def fake_benchmark(op, sizes, world_size):
+        calls.append((op, sizes, world_size))
+        return [{"op": "all_gather", "bytes": 2**20, "world_size": world_size, "time_s": 0.002,
+                 "algbw_GBps": 0.524288, "busbw_GBps": 0.393216}]
+
+    monkeypatch.setattr(collectives, "benchmark", fake_benchmark)
+    assert cli.main(["bench", "--op", "all_gather", "--sizes", "1M", "--world-size", "4"]) == 0
+    assert calls == [("all_gather", [2**20], 4)]
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:3] == ["op", "size", "time"]
+    assert table[1].split() == ["all_gather", "1", "MiB", "2000.0", "0.524", "0.393"]
+
+
+def test_bench_runs_for_real(capsys):
+    assert cli.main(["bench", "--op", "all_reduce", "--sizes", "4K", "--world-size", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[:3] for row in rows] == [["all_reduce", "4", "KiB"]]
+    time_us, algbw, busbw = map(float, rows[0][3:])
+    # nccl-tests: algbw = S / t, busbw = algbw * 2(n-1)/n = algbw for n = 2 (rounded to 3 places)
+    assert algbw == pytest.approx(4096 / (time_us * 1e-6) / 1e9, abs=1e-3)
+    assert busbw == algbw
+
+
+def test_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage == "usage: fsdp-lab [-h] {env,bench,estimate,doctor} ..."
+
+
+def test_other_modules_add_subcommands(capsys, monkeypatch):
+    def add_hello_parser(subparsers):
+        parser = subparsers.add_parser("hello", help="say hello")
+        parser.add_argument("--times", type=int, default=1)
+        parser.set_defaults(func=lambda args: print("hello " * args.times) or 3)
+
+    module = types.ModuleType("hello_module")
+    module.add_hello_parser = add_hello_parser
+    monkeypatch.setitem(sys.modules, "hello_module", module)
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, "hello_module:add_hello_parser"])
+    assert cli.main(["hello", "--times", "2"]) == 3
+    assert capsys.readouterr().out == "hello hello \n"

@@ -1,0 +1,194 @@
+"""fsdp_lab.dist: backend and device rules, torchrun's environment, the simulated world."""
+
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_lab
+from fsdp_lab import dist as fdist
+from fsdp_lab.dist import (choose_backend, comm_needs_host_staging, current_device,
+                           device_for_rank, get_rank, get_world_size, init_distributed,
+                           is_simulated, simulated_world)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has n GPUs (and NCCL) without touching CUDA."""
+
+    def pretend(n, nccl=True):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+
+    return pretend
+
+
+@pytest.mark.parametrize("n_gpus, world_size, backend, expected", [
+    (0, 1, "auto", "gloo"),
+    (0, 4, "auto", "gloo"),
+    (1, 2, "auto", "gloo"),  # ranks share the GPU
+    (2, 2, "auto", "nccl"),
+    (8, 2, "auto", "nccl"),
+    (3, 4, "auto", "gloo"),
+    (8, 4, "gloo", "gloo"),
+    (4, 4, "nccl", "nccl"),
+])
+def test_choose_backend(gpus, n_gpus, world_size, backend, expected):
+    gpus(n_gpus)
+    assert choose_backend(world_size, backend) == expected
+
+
+def test_auto_without_nccl_build_is_gloo(gpus):
+    gpus(4, nccl=False)
+    assert choose_backend(2) == "gloo"
+    with pytest.raises(ValueError, match="no NCCL"):
+        choose_backend(2, "nccl")
+
+
+@pytest.mark.parametrize("n_gpus, world_size, match", [
+    (1, 2, r"world_size=2 but 1 GPU\(s\) are visible.*backend='gloo'"),
+    (0, 1, r"needs CUDA GPUs.*Use backend='gloo'"),
+])
+def test_nccl_without_a_gpu_per_rank_says_what_to_use(gpus, n_gpus, world_size, match):
+    gpus(n_gpus)
+    with pytest.raises(ValueError, match=match):
+        choose_backend(world_size, "nccl")
+
+
+@pytest.mark.parametrize("world_size, backend, match", [
+    (0, "auto", "world_size must be an integer >= 1"),
+    (-1, "gloo", "world_size must be an integer >= 1"),
+    (True, "gloo", "world_size must be an integer >= 1"),
+    (2, "mpi", "unknown backend 'mpi'; use one of auto, gloo, nccl"),
+])
+def test_choose_backend_rejects_bad_input(world_size, backend, match):
+    with pytest.raises(ValueError, match=match):
+        choose_backend(world_size, backend)
+
+
+@pytest.mark.parametrize("n_gpus, rank, backend, expected", [
+    (0, 3, "gloo", "cpu"),
+    (4, 3, "nccl", "cuda:3"),
+    (2, 3, "gloo", "cuda:1"),  # shared GPUs: rank r on cuda:(r % n_gpus)
+    (1, 2, "gloo", "cuda:0"),
+])
+def test_device_for_rank(gpus, n_gpus, rank, backend, expected):
+    gpus(n_gpus)
+    assert device_for_rank(rank, backend) == torch.device(expected)
+
+
+def test_no_process_group_means_rank_0_of_1():
+    assert not dist.is_initialized()
+    assert (get_rank(), get_world_size()) == (0, 1)
+    assert not is_simulated() and not comm_needs_host_staging()
+
+
+@pytest.fixture
+def gloo_world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def test_host_staging_is_gloo_with_cuda_tensors(gloo_world_of_one, monkeypatch):
+    monkeypatch.delenv(fdist.DEVICE_ENV, raising=False)
+    assert comm_needs_host_staging() is torch.cuda.is_available()
+    monkeypatch.setenv(fdist.DEVICE_ENV, "cuda:0")  # what launch sets on shared GPUs
+    assert current_device() == torch.device("cuda", 0)
+    assert comm_needs_host_staging() is True
+    monkeypatch.setenv(fdist.DEVICE_ENV, "cpu")
+    assert comm_needs_host_staging() is False
+
+
+def test_simulated_world_refuses_a_real_process_group(gloo_world_of_one):
+    with pytest.raises(RuntimeError, match=r"a real one \(gloo, world size 1\) is initialised"):
+        with simulated_world(4):
+            pass
+    assert dist.get_backend() == "gloo"  # the real group is untouched
+
+
+def test_simulated_world_is_rank_r_of_n_with_no_communication():
+    with simulated_world(8, rank=3) as world:
+        assert (world.rank, world.world_size) == (3, 8)
+        assert (dist.get_world_size(), dist.get_rank()) == (8, 3)
+        assert (get_world_size(), get_rank()) == (8, 3)
+        assert is_simulated() and not comm_needs_host_staging()
+        assert world.note == ("communication is simulated: collectives return without "
+                              "exchanging data; memory is real")
+        t = torch.ones(5)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.ones(5))  # a real all-reduce over 8 ranks would give 8s
+        with pytest.raises(RuntimeError, match="cannot be nested"):
+            with simulated_world(2):
+                pass
+        assert dist.get_world_size() == 8  # the refused inner world changed nothing
+    assert not dist.is_initialized() and not is_simulated()
+
+
+def test_simulated_world_cleans_up_after_an_error(capsys):
+    with pytest.raises(KeyError):
+        with simulated_world(4, rank=1):
+            raise KeyError("inside")
+    assert not dist.is_initialized()
+    assert capsys.readouterr() == ("", "")  # prints nothing itself
+
+
+@pytest.mark.parametrize("world_size, rank, match", [
+    (0, 0, "world_size must be an integer >= 1"),
+    (4, 4, r"rank must be in \[0, 4\)"),
+    (4, -1, r"rank must be in \[0, 4\)"),
+])
+def test_simulated_world_rejects_bad_input(world_size, rank, match):
+    with pytest.raises(ValueError, match=match):
+        with simulated_world(world_size, rank):
+            pass
+    assert not dist.is_initialized()
+
+
+def test_init_distributed_without_torchrun_says_what_to_do(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"run under torchrun .* or use\s+fsdp_lab.launch"):
+        init_distributed()
+
+
+def test_init_distributed_under_torchrun(tmp_path):
+    script = tmp_path / "per_rank.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import torch.distributed as dist
+        from fsdp_lab.dist import current_device, init_distributed
+
+        rank, world_size = init_distributed(timeout=120)
+        t = torch.full((2,), float(rank + 1), device=current_device())
+        dist.all_reduce(t)
+        print(f"rank {rank} of {world_size}: {dist.get_backend()} {current_device()} {t.tolist()}")
+        dist.destroy_process_group()
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop(fdist.DEVICE_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == [
+        "rank 0 of 2: gloo cpu [3.0, 3.0]",
+        "rank 1 of 2: gloo cpu [3.0, 3.0]",
+    ]
+
+
+def test_package_exports():
+    assert fsdp_lab.simulated_world is simulated_world
+    assert fsdp_lab.init_distributed is init_distributed

@@ -1,0 +1,368 @@
+"""fsdp_lab.launch: results, prints, failures, hangs, interrupts, and no process left behind.
+
+Every launch costs a few seconds of torch imports on 2 cores, so the passing runs are shared
+by a module-scoped fixture and each failure mode gets exactly one launch.
+"""
+
+import contextlib
+import io
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp_lab
+from fsdp_lab import collectives
+from fsdp_lab.dist import comm_needs_host_staging, current_device, init_distributed, is_simulated
+from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
+
+REPO = Path(__file__).resolve().parents[1]
+N_LINES = 25
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _record_pid(pid_dir) -> None:
+    Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+
+
+def _pids(pid_dir) -> list[int]:
+    return [int(p.read_text()) for p in sorted(Path(pid_dir).glob("rank*.pid"))]
+
+
+# ------------------------------------------------------------------ passing runs (shared)
+
+
+def _report(tag):
+    rank = dist.get_rank()
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)  # torch's own collective: checks the group, not our wrappers
+    for i in range(N_LINES):
+        print(f"{tag} line {i} from rank {rank}")
+    print(f"{tag} warning from rank {rank}", file=sys.stderr)
+    print(f"{tag} unterminated from rank {rank}", end="")
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "init_distributed": init_distributed(),  # keeps the existing group
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+        "sum": t,
+        "nested": [(t * 2, {"deep": t + 1})],
+        "backend": dist.get_backend(),
+        "device": str(current_device()),
+        "staging": comm_needs_host_staging(),
+        "simulated": is_simulated(),
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Three launches back to back: 2 ranks printing from rank 0, 2 ranks all printing, 1 rank."""
+    out = {}
+    for name, kwargs in (("single", dict(world_size=2)),
+                         ("all", dict(world_size=2, print_ranks="all")),
+                         ("one", dict(world_size=1))):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            results = launch(_report, name, timeout=120, **kwargs)
+        out[name] = (results, stdout.getvalue(), stderr.getvalue())
+    return out
+
+
+def test_results_are_indexed_by_rank(runs):
+    results = runs["single"][0]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["world_size"] == 2 for r in results)
+    assert [r["init_distributed"] for r in results] == [(0, 2), (1, 2)]
+    assert [r["env"] for r in results] == [
+        {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"},
+    ]
+
+
+def test_process_group_really_communicates(runs):
+    for r in runs["single"][0]:
+        assert torch.equal(r["sum"], torch.full((3,), 3.0))  # 1 + 2 on every rank
+    (one,) = runs["one"][0]
+    assert torch.equal(one["sum"], torch.ones(3))
+
+
+def test_tensors_come_back_on_cpu_through_containers(runs):
+    r = runs["single"][0][1]
+    doubled, inner = r["nested"][0]
+    assert isinstance(r["nested"], list) and isinstance(r["nested"][0], tuple)
+    assert doubled.device.type == "cpu" and torch.equal(doubled, torch.full((3,), 6.0))
+    assert torch.equal(inner["deep"], torch.full((3,), 4.0))
+
+
+def test_cpu_ranks_get_gloo_and_a_share_of_the_cores(runs):
+    for r in runs["single"][0]:
+        assert (r["backend"], r["device"]) == ("gloo", "cpu")
+        assert not r["staging"] and not r["simulated"]
+        assert r["threads"] == max(1, os.cpu_count() // 2)
+
+
+def test_only_rank_0_prints_by_default_without_prefix(runs):
+    _, stdout, stderr = runs["single"]
+    expected = [f"single line {i} from rank 0" for i in range(N_LINES)]
+    assert stdout.splitlines() == expected + ["single unterminated from rank 0"]
+    assert stderr == "single warning from rank 0\n"
+
+
+def test_several_printing_ranks_get_prefixes_and_keep_their_order(runs):
+    _, stdout, stderr = runs["all"]
+    lines = stdout.splitlines()
+    for rank in (0, 1):
+        mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
+        assert mine == [f"[rank {rank}] all line {i} from rank {rank}" for i in range(N_LINES)] + [
+            f"[rank {rank}] all unterminated from rank {rank}"]
+    assert len(lines) == 2 * (N_LINES + 1)
+    assert sorted(stderr.splitlines()) == ["[rank 0] all warning from rank 0",
+                                           "[rank 1] all warning from rank 1"]
+
+
+def test_back_to_back_launches_use_new_processes_and_leave_none(runs):
+    pids = [r["pid"] for name in ("single", "all", "one") for r in runs[name][0]]
+    assert len(set(pids)) == 5 and os.getpid() not in pids
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_function_defined_in_main_is_sent_by_value():
+    # `python -c`: the children cannot import __main__, as in a notebook kernel.
+    code = textwrap.dedent("""
+        import dataclasses
+        import torch
+        import torch.distributed as dist
+        import fsdp_lab
+
+        @dataclasses.dataclass
+        class Point:
+            rank: int
+            value: torch.Tensor
+
+        offset = 10.0
+
+        def where_am_i(scale):
+            return Point(dist.get_rank(), torch.ones(2) * scale + offset)
+
+        for attempt in range(2):  # re-running the same "cell"
+            points = fsdp_lab.launch(where_am_i, 3.0, world_size=2, timeout=120)
+            assert all(type(p) is Point for p in points), [type(p) for p in points]
+            print(attempt, [(p.rank, p.value.tolist()) for p in points])
+    """)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "0 [(0, [13.0, 13.0]), (1, [13.0, 13.0])]",
+        "1 [(0, [13.0, 13.0]), (1, [13.0, 13.0])]",
+    ]
+
+
+# ------------------------------------------------------------------ failures (one launch each)
+
+
+def _raise_on_rank_1(pid_dir):
+    _record_pid(pid_dir)
+    dist.barrier()  # both pids are on disk before anything fails
+    if dist.get_rank() == 1:
+        print("rank 1 about to fail")
+        raise ValueError("boom on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a rank that never comes
+
+
+def test_raising_rank_names_itself_and_stops_the_others(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(_raise_on_rank_1, str(tmp_path), world_size=2, timeout=120)
+    err = info.value
+    assert type(err) is LaunchError  # a failure report, not the timeout
+    assert err.rank == 1
+    message = str(err)
+    assert message.startswith("rank 1 raised ValueError: boom on purpose")
+    assert 'in _raise_on_rank_1\n    raise ValueError("boom on purpose")' in message
+    assert "rank 1 about to fail" in message  # output of a non-printing rank
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def _exit_silently(pid_dir):
+    _record_pid(pid_dir)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_rank_dying_without_report_gives_its_exit_code(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(_exit_silently, str(tmp_path), world_size=2, timeout=120)
+    assert type(info.value) is LaunchError
+    assert info.value.exitcode == 3 and info.value.rank == 1
+    assert str(info.value).startswith("rank 1 exited with code 3 without reporting a result")
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def _skip_second_all_reduce(pid_dir):
+    _record_pid(pid_dir)
+    t = torch.ones(4)
+    collectives.all_reduce(t)
+    if dist.get_rank() == 1:
+        threading.Event().wait()  # rank 1 never enters the second all-reduce
+    collectives.all_reduce(t)
+
+
+def test_hang_ends_at_timeout_naming_each_ranks_last_collective(tmp_path):
+    with pytest.raises(LaunchTimeout) as info:
+        # 15 s: room for two torch imports on a loaded 2-core machine before the hang starts
+        launch(_skip_second_all_reduce, str(tmp_path), world_size=2, timeout=15)
+    last = info.value.last_collectives
+    assert last[0].startswith("all_reduce #2 (16 B float32, group of 2)"), last
+    assert last[1].startswith("all_reduce #1 (16 B float32, group of 2)"), last
+    message = str(info.value)
+    assert "timed out after 15 s" in message
+    assert f"rank 0: {last[0]}" in message and f"rank 1: {last[1]}" in message
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def _wait_forever(pid_dir):
+    _record_pid(pid_dir)
+    dist.barrier()
+    print("ready")
+    threading.Event().wait()
+
+
+class _InterruptOnReady(io.StringIO):
+    """Stands in for the notebook's stdout: Ctrl-C arrives once rank 0 says it is ready."""
+
+    def write(self, text):
+        super().write(text)
+        if "ready" in text:
+            os.kill(os.getpid(), signal.SIGINT)
+        return len(text)
+
+
+def test_keyboard_interrupt_stops_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", _InterruptOnReady())
+    with pytest.raises(KeyboardInterrupt):
+        launch(_wait_forever, str(tmp_path), world_size=2, timeout=120)
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux)")
+def test_ranks_end_when_the_calling_process_is_killed(tmp_path):
+    # A notebook kernel that is killed outright runs no finally: the ranks notice by themselves.
+    code = textwrap.dedent(f"""
+        import os
+        import threading
+        from pathlib import Path
+        import torch.distributed as dist
+        import fsdp_lab
+
+        def wait_forever():
+            Path({str(tmp_path)!r}, f"rank{{dist.get_rank()}}.pid").write_text(str(os.getpid()))
+            dist.barrier()
+            print("ready", flush=True)
+            threading.Event().wait()
+
+        fsdp_lab.launch(wait_forever, world_size=2, timeout=600)
+    """)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=env, cwd=REPO)
+    try:
+        assert caller.stdout.readline() == "ready\n"
+        pidfds = [os.pidfd_open(pid) for pid in _pids(tmp_path)]
+    finally:
+        caller.kill()
+        caller.wait(timeout=60)
+    assert len(pidfds) == 2
+    for fd in pidfds:  # readable once the process has ended
+        ended, _, _ = select.select([fd], [], [], 60)
+        os.close(fd)
+        assert ended == [fd]
+
+
+def _return_unpicklable():
+    return threading.Lock()
+
+
+def test_unsendable_return_value_is_a_clear_error():
+    with pytest.raises(LaunchError, match=r"rank 0 raised TypeError: the return value \(lock\) "
+                                          r"could not be sent back"):
+        launch(_return_unpicklable, world_size=1, timeout=120)
+
+
+# ------------------------------------------------------------------ bad arguments: nothing starts
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), "world_size must be an integer >= 1"),
+    (dict(world_size=2.0), "world_size must be an integer >= 1"),
+    (dict(backend="mpi"), "unknown backend 'mpi'"),
+    (dict(backend="nccl", world_size=torch.cuda.device_count() + 1), "backend='gloo'"),
+    (dict(timeout=0), "timeout must be a positive number"),
+    (dict(timeout=float("inf")), "timeout must be a positive number"),
+    (dict(print_ranks=(0, 2)), r"print_ranks must be ranks in \[0, 2\)"),
+])
+def test_bad_arguments_raise_before_any_process_starts(kwargs, match):
+    import multiprocessing
+
+    before = multiprocessing.active_children()
+    with pytest.raises(ValueError, match=match):
+        launch(print, **kwargs)
+    assert multiprocessing.active_children() == before
+
+
+def test_non_callable_is_a_type_error():
+    with pytest.raises(TypeError, match="needs a function"):
+        launch("not a function")
+
+
+def test_package_exports_the_function_even_after_its_module_is_imported():
+    import fsdp_lab.launch  # noqa: F401 - as every rank and collectives.benchmark do
+
+    assert fsdp_lab.launch is launch and fsdp_lab.LaunchError is LaunchError
+    assert issubclass(LaunchTimeout, LaunchError)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+def _cuda_report():
+    device = current_device()
+    t = torch.full((2,), float(dist.get_rank() + 1), device=device)
+    collectives.all_reduce(t)
+    return {"device": str(device), "backend": dist.get_backend(), "t": t,
+            "staging": comm_needs_host_staging()}
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_return_cpu_tensors():
+    n_gpus = torch.cuda.device_count()
+    results = launch(_cuda_report, world_size=2, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["t"].device.type == "cpu" and torch.equal(r["t"], torch.full((2,), 3.0))
+        if n_gpus >= 2:
+            assert (r["backend"], r["device"], r["staging"]) == ("nccl", f"cuda:{rank}", False)
+        else:
+            assert (r["backend"], r["device"], r["staging"]) == ("gloo", "cuda:0", True)
