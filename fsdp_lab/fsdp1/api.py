@@ -1,0 +1,63 @@
+"""The knobs of FSDP1, with PyTorch's names and defaults (``torch.distributed.fsdp.api``).
+
+Nothing here runs: these are the enums and small dataclasses that
+``fsdp_lab.fsdp1.FullyShardedDataParallel`` reads. ``MixedPrecision`` is shared with
+FSDP2's policy module and re-exported from ``fsdp_lab.precision``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from fsdp_lab.precision import MixedPrecision
+
+__all__ = ["ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision", "StateDictType"]
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are split across ranks.
+
+    FULL_SHARD: shard everything; free gathered parameters after forward, re-gather in backward.
+    SHARD_GRAD_OP: shard everything at rest, but keep parameters gathered from forward through
+        backward (one all-gather per step instead of two, more memory).
+    NO_SHARD: replicate everything and all-reduce gradients (DistributedDataParallel).
+    HYBRID_SHARD: FULL_SHARD inside a shard group (e.g. one node), replicate across groups
+        (gradients all-reduced between the groups' matching ranks).
+    """
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward.
+
+    BACKWARD_PRE: before the current unit's gradient computation (more overlap, more memory).
+    BACKWARD_POST: after the current unit's gradients exist, before its reduce-scatter.
+    ``None`` (the keyword value) turns prefetching off: each unit gathers when backward reaches it.
+    """
+
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+class StateDictType(enum.Enum):
+    """What ``model.state_dict()`` returns inside ``FullyShardedDataParallel.state_dict_type``.
+
+    FULL_STATE_DICT: every original parameter at full shape (an all-gather per unit).
+    SHARDED_STATE_DICT: each rank's own slices only (no communication), see ``state_dict.py``.
+    """
+
+    FULL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+
+
+@dataclasses.dataclass(frozen=True)
+class CPUOffload:
+    """``offload_params=True`` keeps sharded parameters and their gradients in host memory;
+    the optimizer step then runs on CPU and each all-gather first copies the shard to the device."""
+
+    offload_params: bool = False
