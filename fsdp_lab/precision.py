@@ -11,6 +11,21 @@ Two policy classes with PyTorch's names and defaults:
 ``None`` means "keep the parameter's own dtype", as in PyTorch. The helpers below are the
 one place that decides which dtype a buffer gets at each phase, so both implementations
 agree (see docs/precision.md for the table).
+
+Both classes also take three optional fields that separate what PyTorch's ``reduce_dtype``
+folds together (Megatron-FSDP's names):
+
+* ``main_params_dtype`` (default float32): dtype of the sharded master weights the optimizer
+  updates; ``None`` keeps the model's own dtype. Applied to trainable floating parameters
+  only: frozen or quantized parameters need no master copy and keep their own dtype.
+* ``main_grads_dtype`` (default float32): dtype gradients are accumulated in across
+  microbatches (the no-sync buffer and the sharded gradient); ``None`` = the reduce dtype
+  for the unsharded buffer, the master weights' dtype for the sharded one.
+* ``grad_comm_dtype`` (default None = the ``reduce_dtype`` rule): dtype of gradients on
+  the wire. Where it differs from the accumulation dtype, a temporary buffer (tagged
+  ``comm_buffers``) holds the gradient only for the collective.
+
+For a float32 model these defaults change nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ from typing import Any
 import torch
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_MAIN_FIELDS = ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
 
 
 def check_float_dtype(field: str, dtype: torch.dtype | None) -> None:
@@ -44,15 +60,23 @@ class MixedPrecisionPolicy:
     reduce_dtype: dtype of gradients on the wire in reduce-scatter / all-reduce.
     output_dtype: dtype the module's floating outputs are cast to.
     cast_forward_inputs: cast floating forward inputs to ``param_dtype``.
+    main_params_dtype: master-weight dtype (default float32; None = the model's own).
+    main_grads_dtype: gradient accumulation dtype across microbatches (default float32).
+    grad_comm_dtype: gradient dtype on the wire (default None = reduce_dtype rule).
+
+    Raises TypeError naming the field for a dtype that is not floating (int, bool, ...).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = torch.float32
+    grad_comm_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype", *_MAIN_FIELDS):
             check_float_dtype(field, getattr(self, field))
 
 
@@ -62,6 +86,9 @@ class MixedPrecision:
 
     keep_low_precision_grads: leave ``.grad`` in ``param_dtype`` instead of upcasting
     to the sharded parameter's dtype after the reduce-scatter.
+    main_params_dtype, main_grads_dtype, grad_comm_dtype: as in ``MixedPrecisionPolicy``.
+
+    Raises TypeError naming the field for a dtype that is not floating (int, bool, ...).
     """
 
     param_dtype: torch.dtype | None = None
@@ -70,9 +97,12 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = torch.float32
+    grad_comm_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype", *_MAIN_FIELDS):
             check_float_dtype(field, getattr(self, field))
 
 
@@ -88,6 +118,36 @@ def reduce_dtype(policy: Any, orig_dtype: torch.dtype) -> torch.dtype:
     parameter's own dtype.
     """
     return policy.reduce_dtype or policy.param_dtype or orig_dtype
+
+
+def main_params_dtype(policy: Any, orig_dtype: torch.dtype, trainable: bool = True) -> torch.dtype:
+    """The dtype of the sharded master weights.
+
+    ``torch.promote_types(orig_dtype, policy.main_params_dtype)`` for a trainable floating
+    parameter: a bf16 model gets float32 masters by default, a float32/float64 model keeps
+    its own dtype (the master copy never narrows a parameter). The parameter's own dtype
+    when ``main_params_dtype`` is None or the parameter is frozen.
+    """
+    wanted = getattr(policy, "main_params_dtype", None)
+    if wanted is None or not trainable or not orig_dtype.is_floating_point:
+        return orig_dtype
+    return torch.promote_types(orig_dtype, wanted)
+
+
+def accumulation_dtype(main_grads: torch.dtype | None, incoming: torch.dtype, fallback: torch.dtype) -> torch.dtype:
+    """The dtype a gradient buffer accumulates in across microbatches.
+
+    ``incoming`` is the dtype autograd produces the gradient in (the compute dtype). With
+    ``main_grads`` set: ``torch.promote_types(incoming, main_grads)`` (never narrower than
+    the computed gradient, so a float64 model keeps float64); else ``fallback`` (PyTorch's
+    choice: the reduce dtype for the unsharded buffer, the master dtype for the sharded one).
+    """
+    return torch.promote_types(incoming, main_grads) if main_grads is not None else fallback
+
+
+def grad_comm_dtype(policy: Any, orig_dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients travel in: ``grad_comm_dtype`` if set, else ``reduce_dtype(policy, orig_dtype)``."""
+    return getattr(policy, "grad_comm_dtype", None) or reduce_dtype(policy, orig_dtype)
 
 
 def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
@@ -106,3 +166,16 @@ def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
             tree, **{f.name: cast_floating(getattr(tree, f.name), dtype) for f in dataclasses.fields(tree)}
         )
     return tree
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples, lists, dicts and dataclasses (in order)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for x in tree for t in tensors_in(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in tensors_in(x)]
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        return [t for f in dataclasses.fields(tree) for t in tensors_in(getattr(tree, f.name))]
+    return []

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_lab import collectives
+from fsdp_lab import collectives, sync_points
 from fsdp_lab.fsdp1.flat_param import FlatParamHandle
 from fsdp_lab.memory import tags as _tags
 from fsdp_lab.memory.tags import tag
@@ -36,8 +36,10 @@ GRAD_ACCUMULATION_MODES = ("flat", "concat")
 class GradState:
     """What one handle's gradients are doing between backward and the optimizer step."""
 
-    def __init__(self, reduce_dtype: torch.dtype, mode: str):
+    def __init__(self, reduce_dtype: torch.dtype, mode: str, comm_dtype: torch.dtype | None = None):
+        # reduce_dtype: the flat buffer's (accumulation) dtype; comm_dtype: on the wire (default the same)
         self.reduce_dtype, self.mode = reduce_dtype, mode
+        self.comm_dtype = comm_dtype or reduce_dtype
         self.buffer: torch.Tensor | None = None   # full flat gradient (kept across no_sync)
         self.pending: dict[int, torch.Tensor] = {}  # concat mode: upcast per-parameter grads
         self.seen: set[int] = set()                # leaves that got a gradient this backward
@@ -100,10 +102,15 @@ def start_reduce(handle: FlatParamHandle, state: GradState) -> None:
     full, state.buffer = state.buffer, None
     if full is None:
         return
+    if full.dtype != state.comm_dtype:  # a temporary buffer for the collective only
+        full = tag(full.to(state.comm_dtype), "comm_buffers")
+    if handle.shard_group is not None:
+        collectives.ensure_reducible(full.dtype, handle.shard_group)
     if handle.shard_size == 1:
         state.reduce = (full, None, None)
         return
     output = tag(torch.empty(handle.shard_numel, dtype=full.dtype, device=full.device), "sharded_grads")
+    sync_points.fire("reduce_scatter", handle.unit_name)
     work = collectives.reduce_scatter_tensor(output, full, group=handle.shard_group, async_op=True,
                                              meta={"module": handle.unit_name})
     state.reduce = (output, work, full)
@@ -119,6 +126,7 @@ def finish_reduce(handle: FlatParamHandle, state: GradState, *, replicate_group,
     if work is not None:
         work.wait()
     if replicate_group is not None:
+        sync_points.fire("reduce_scatter", handle.unit_name)
         collectives.all_reduce(output, group=replicate_group, meta={"module": handle.unit_name})
     output.div_(world_size)
     home = handle.flat_shard.device

@@ -26,7 +26,7 @@ import math
 import torch
 import torch.nn as nn
 
-from fsdp_lab import collectives
+from fsdp_lab import collectives, sync_points
 from fsdp_lab.memory.tags import tag
 
 
@@ -148,6 +148,7 @@ class FlatParamHandle:
         if self.shard_size == 1:
             self.full.copy_(source)
             return
+        sync_points.fire("all_gather", self.unit_name)  # after the allocations: nothing fails between
         self._gather = collectives.all_gather_into_tensor(
             self.full, source, group=self.shard_group, async_op=True, meta={"module": self.unit_name})
 

@@ -23,7 +23,6 @@ pre-backward, post-backward). Layout and gather/free: flat_param.py. Gradients: 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, Iterator
 
@@ -32,12 +31,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from fsdp_lab import collectives
+from fsdp_lab import collectives, sync_points
 from fsdp_lab.fsdp1 import flat_grad, groups
 from fsdp_lab.fsdp1.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType
 from fsdp_lab.fsdp1.flat_param import FlatParamHandle, ParamInfo
+from fsdp_lab.fsdp1.nf4_handle import NF4FlatParamHandle
+from fsdp_lab.qlora.nf4_tensor import NF4Tensor
 from fsdp_lab.fsdp1.wrap import recursive_wrap
-from fsdp_lab.precision import MixedPrecision, cast_floating, reduce_dtype
+from fsdp_lab.precision import (MixedPrecision, accumulation_dtype, cast_floating, grad_comm_dtype,
+                                main_params_dtype, reduce_dtype, tensors_in)
 
 WRAPPED = "_fsdp_wrapped_module"
 
@@ -108,8 +110,12 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self._handles = self._build_handles(module, ignored)
         self._reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        self._grad_states = {id(h): flat_grad.GradState(reduce_dtype(mixed_precision, h.dtype), grad_accumulation)
-                             for h in self._handles if h.requires_grad}
+        # accumulation buffer in main_grads_dtype (PyTorch: the reduce dtype), wire in grad_comm_dtype
+        self._grad_states = {id(h): flat_grad.GradState(
+            accumulation_dtype(mixed_precision.main_grads_dtype, h.compute_dtype,
+                               reduce_dtype(mixed_precision, h.compute_dtype)),
+            grad_accumulation, comm_dtype=grad_comm_dtype(mixed_precision, h.compute_dtype))
+            for h in self._handles if h.requires_grad}
         # run-time state; the root (the outermost unit called) owns the shared part
         self.__dict__["_root"] = None  # a plain reference, not a submodule
         self._pre_backward_done = False
@@ -125,6 +131,7 @@ class FullyShardedDataParallel(nn.Module):
         """One flat parameter per (dtype, requires_grad) among the unit's own parameters."""
         infos: dict[int, ParamInfo] = {}
         groups_by_kind: dict[tuple, list[ParamInfo]] = {}
+        nf4_infos: list[ParamInfo] = []
         for prefix, sub in _owned_modules(module, ignored):
             for name, param in list(sub._parameters.items()):
                 if param is None:
@@ -135,24 +142,35 @@ class FullyShardedDataParallel(nn.Module):
                 if getattr(param, "_fsdp1_unit", None) is not None:
                     raise RuntimeError(f"parameter {prefix}{name} is already sharded by another FSDP1 unit "
                                        f"(tied across units?): tie weights only within one unit")
-                kind = (param.dtype, param.requires_grad)
+                if isinstance(param, NF4Tensor):  # packed storage: its own flat params, never cast
+                    info = ParamInfo(f"{prefix}{name}", param.shape, param.numel(), 0, param, [(sub, name)])
+                    infos[id(param)] = info
+                    nf4_infos.append(info)
+                    continue
+                own = param.dtype
+                main = main_params_dtype(self.mixed_precision, own, param.requires_grad)
+                if main != own:  # the flat shard (master weights) is built from what the module holds
+                    param.data = param.data.to(main)
+                kind = (param.dtype, param.requires_grad, own)
                 info = ParamInfo(f"{prefix}{name}", param.shape, param.numel(), 0, param, [(sub, name)])
                 infos[id(param)] = info
                 groups_by_kind.setdefault(kind, []).append(info)
         handles = []
         name = type(module).__name__  # replaced by the unit's path at the root's first forward
-        for (dtype, requires_grad), members in groups_by_kind.items():
+        for (dtype, requires_grad, own), members in groups_by_kind.items():
             offset = 0
             for info in members:
                 info.offset, offset = offset, offset + info.numel
                 info.param._fsdp1_unit = self
-            compute = self.mixed_precision.param_dtype or dtype if dtype.is_floating_point else dtype
+            compute = self.mixed_precision.param_dtype or own if dtype.is_floating_point else dtype
             handles.append(FlatParamHandle(
                 members, unit_name=name, shard_group=self.shard_group,
                 shard_rank=dist.get_rank(self.shard_group) if self.shard_group is not None else 0,
                 shard_size=dist.get_world_size(self.shard_group) if self.shard_group is not None else 1,
                 device=self.compute_device, compute_dtype=compute,
                 offload=self.cpu_offload.offload_params))
+        if nf4_infos:
+            handles.append(NF4FlatParamHandle.for_unit(self, nf4_infos, name))
         return handles
 
     # --- names: look through the wrapper like PyTorch does ---------------------------------------
@@ -212,6 +230,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _pre_forward(self, args, kwargs) -> None:
         root = self._root
+        sync_points.fire("pre_forward", self._name)
         if not root._order_recorded:
             root._exec_order.append(self)
         track = torch.is_grad_enabled()
@@ -229,7 +248,7 @@ class FullyShardedDataParallel(nn.Module):
             ahead = order[order.index(self) + 1:] if self in order else []
             for unit in ahead[:1] if self.limit_all_gathers else ahead:
                 unit._start_unshard()
-        inputs = [t for t in _tensors_in((args, kwargs)) if t.requires_grad]
+        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
         frozen = [h for h in self._handles if not h.requires_grad]
         if track and frozen and inputs:
             register_multi_grad_hook(inputs, self._on_input_grads, mode="all")
@@ -242,7 +261,7 @@ class FullyShardedDataParallel(nn.Module):
         if not torch.is_grad_enabled() or (self._reshard_after_forward and self is not self._root):
             for handle in self._handles:
                 handle.reshard()
-        outputs = [t for t in _tensors_in(output) if t.requires_grad]
+        outputs = [t for t in tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled() and outputs:
             register_multi_grad_hook(outputs, self._pre_backward, mode="any")
 
@@ -258,6 +277,7 @@ class FullyShardedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
         if self._pre_backward_done:
             return
+        sync_points.fire("pre_backward", self._name)
         self._pre_backward_done = True
         for handle in self._handles:
             handle.unshard()
@@ -279,6 +299,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _on_grads_ready(self, handle: FlatParamHandle) -> None:
         root = self._root
+        sync_points.fire("post_backward", self._name)
         handle.reshard()
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST and not self._post_prefetched:
             self._post_prefetched = True
@@ -322,6 +343,38 @@ class FullyShardedDataParallel(nn.Module):
             unit._pre_backward_done = False
             unit._post_prefetched = False
         self._in_backward = False
+
+    def recover_from_error(self) -> None:
+        """Bring every unit back to idle and sharded after an exception (e.g. out of memory)
+        interrupted forward or backward. Call it on the root, on every rank.
+
+        Waits for collectives already issued (every rank issued them, so they complete),
+        frees gathered flat parameters, drops full-size and in-flight gradients (reduced shards
+        already in ``.grad`` stay: clear them with ``optimizer.zero_grad()``) and clears the
+        bookkeeping a broken step leaves behind.
+        """
+        if self._root is None:
+            return
+        root = self._root
+        for unit, handle in root._reduce_queue:
+            state = unit._grad_states[id(handle)]
+            if state.reduce is not None and state.reduce[1] is not None:
+                state.reduce[1].wait()
+            state.reduce = None
+        root._reduce_queue, root._in_backward = [], False
+        for unit in root._units:
+            unit._pre_backward_done = unit._post_prefetched = False
+            for handle in unit._handles:
+                handle.reshard()  # waits for an issued all-gather first
+                handle.use_sharded_views()
+                handle.leaves = []
+                state = unit._grad_states.get(id(handle))
+                if state is not None:
+                    state.buffer, state.pending, state.seen, state.reduce = None, {}, set(), None
+
+    @property
+    def _name(self) -> str:
+        return self._handles[0].unit_name if self._handles else "root"
 
     # --- gradient accumulation, clipping --------------------------------------------------------------
     @contextlib.contextmanager
@@ -443,16 +496,3 @@ def _broadcast_from_rank0(module: nn.Module, ignored: set[nn.Module]) -> None:
         for tensor in list(sub._parameters.values()) + list(sub._buffers.values()):
             if tensor is not None:
                 collectives.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, 0)
-
-
-def _tensors_in(tree) -> list[torch.Tensor]:
-    """Every tensor in a nested tuple/list/dict/dataclass."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensors_in(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors_in(x)]
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return [t for f in dataclasses.fields(tree) for t in _tensors_in(getattr(tree, f.name))]
-    return []

@@ -23,7 +23,6 @@ all groups below it (forward order for prefetch, the in-flight reduce-scatter).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -33,9 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fsdp_lab import sync_points
 from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
-from fsdp_lab.precision import MixedPrecisionPolicy, cast_floating
+from fsdp_lab.precision import MixedPrecisionPolicy, cast_floating, main_params_dtype, tensors_in
 
 __all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
 
@@ -74,7 +74,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     fsdp_params = _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy)
     name = ",".join(type(m).__name__ for m in modules)
     group = FSDPParamGroup(fsdp_params, modules, mesh, device, reshard_after_forward is not False,
-                           mp_policy.reduce_dtype or mp_policy.param_dtype, name=name) if fsdp_params else None
+                           mp_policy.grad_comm_dtype or mp_policy.reduce_dtype or mp_policy.param_dtype,
+                           name=name) if fsdp_params else None
     state = _FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
     for m in modules:
         m._fsdp_state = state
@@ -172,9 +173,12 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[
     fsdp_params = []
     for p, infos in found.items():
         data = p if p.device == device else p.to(device)
+        trainable = p.requires_grad and not hasattr(p, "fsdp_pre_all_gather") and not hasattr(p, "fsdp_shard")
         fsdp_params.append(FSDPParam(data, infos, mesh, device, mp_policy.param_dtype,
                                      mp_policy.reduce_dtype or mp_policy.param_dtype, offload,
-                                     getattr(offload_policy, "pin_memory", False)))
+                                     getattr(offload_policy, "pin_memory", False),
+                                     main_dtype=main_params_dtype(mp_policy, p.dtype, trainable),
+                                     main_grads_dtype=mp_policy.main_grads_dtype))
         _CLAIMED[p] = type(modules[0]).__name__
     for fsdp_param in fsdp_params:
         fsdp_param.to_sharded()
@@ -228,6 +232,35 @@ class FSDPModule:
         """Free this module's unsharded parameters (modules see the sharded DTensors again)."""
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.reshard()
+
+    def recover_from_error(self) -> None:
+        """Bring every group under this module back to idle and sharded after an exception
+        (e.g. out of memory) interrupted forward or backward.
+
+        Finishes collectives already issued (every rank issued them, so they complete), frees
+        unsharded parameters, drops unsharded and in-flight gradients (reduced shards already
+        in ``.grad`` stay: clear them with ``optimizer.zero_grad()``) and clears the hook
+        bookkeeping a broken forward/backward leaves behind. Call it on every rank.
+        """
+        states = {id(m._fsdp_state): m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)}
+        roots = {id(s.root): s.root for s in states.values() if s.root is not None}
+        for root in roots.values():
+            pending, root.pending_reduce = root.pending_reduce, None
+            if pending is not None:
+                pending.handle.wait()  # its gradients are dropped
+            root.callback_queued = False
+        for state in states.values():
+            state._in_forward, state._pre_backward_done = 0, False
+            state._to_run = set()
+            if state.group is not None:
+                state.group.wait_for_unshard()  # an issued prefetch
+                for fsdp_param in state.group.fsdp_params:
+                    fsdp_param.to_sharded()
+                    fsdp_param.free_unsharded_param()
+                    if fsdp_param._unsharded_param is not None:
+                        fsdp_param._unsharded_param.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+                state.group.is_unsharded = False
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         modules = self.modules() if recurse else [self]
@@ -315,6 +348,9 @@ class _FSDPState:
         self.backward_prefetch: list[_FSDPState] | None = None
         self._in_forward = 0
         self._pre_backward_done = False
+        # ids of this group's modules still to run in the current forward pass: a group of
+        # several modules (e.g. two blocks) gathers once and reshards after its last module.
+        self._to_run: set[int] = set()
 
     def lazy_init(self) -> None:
         """Make this state the root of every state in its modules' subtrees."""
@@ -345,15 +381,20 @@ class _FSDPState:
                 self.root.post_forward_order = []
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
+        sync_points.fire("pre_forward", self.group.name if self.group is not None else "")
         self._in_forward += 1
+        new_pass = id(module) not in self._to_run
+        if new_pass:
+            self._to_run = {id(m) for m in self.modules}
         if self.group is not None:
             self.group.unshard()
             self.group.wait_for_unshard()
             self._pre_backward_done = False
-        for target in self.forward_prefetch:
-            if target.group is not None:
-                target.group.unshard(async_op=True)
-        if torch.is_grad_enabled() and not self.root.in_backward:
+        if new_pass:
+            for target in self.forward_prefetch:
+                if target.group is not None:
+                    target.group.unshard(async_op=True)
+        if new_pass and torch.is_grad_enabled() and not self.root.in_backward:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
@@ -371,6 +412,9 @@ class _FSDPState:
         self._in_forward -= 1
         if self._in_forward > 0:  # another module of this group is still running
             return output
+        self._to_run.discard(id(module))
+        if self._to_run:  # later modules of this group still need the gathered parameters
+            return cast_floating(output, self.mp_policy.output_dtype) if self.mp_policy.output_dtype else output
         if self.root.in_backward:  # recomputed forward (activation checkpointing): backward needs the params
             return output
         training = torch.is_grad_enabled()
@@ -380,7 +424,7 @@ class _FSDPState:
             if training:
                 self.root.post_forward_order.append(self)
         if training:
-            for tensor in _tensors_in(output):
+            for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook)
         if self.mp_policy.output_dtype is not None:
@@ -398,6 +442,7 @@ class _FSDPState:
             torch.autograd.Variable._execution_engine.queue_callback(root_final_callback_for(root))
         if self._pre_backward_done or self.group is None:
             return
+        sync_points.fire("pre_backward", self.group.name)
         self._pre_backward_done = True
         self.group.unshard()
         self.group.wait_for_unshard()
@@ -418,6 +463,7 @@ class _FSDPState:
         """Reduce the gradients this group holds and reshard (may run more than once per backward)."""
         if self.group is None:
             return
+        sync_points.fire("post_backward", self.group.name)
         reduce = self.group.reduce_grads()
         if reduce is not None:
             self.root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
@@ -440,16 +486,3 @@ def root_final_callback_for(root: _RootContext):
         root.callback_queued = False
 
     return final_callback
-
-
-def _tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Tensors inside nested tuples, lists, dicts and dataclasses."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for x in tree for t in _tensors_in(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors_in(x)]
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return [t for f in dataclasses.fields(tree) for t in _tensors_in(getattr(tree, f.name))]
-    return []

@@ -23,6 +23,12 @@ collectives of many parameters and ``fully_shard.py`` decides *when* each step r
    The full-size gradient autograd left on the unsharded parameter is padded to the gathered
    size for the group's reduce-scatter; this rank's reduced rows become (or are added to)
    the DTensor's ``.grad``.
+
+Mixed precision (``fsdp_lab.precision``; table in docs/precision.md): the shard is stored in
+the master dtype (``main_params_dtype``), gathered in the compute dtype (``param_dtype``);
+gradients set aside without sync accumulate in ``main_grads_dtype``; reduced shards arrive in
+the wire dtype and are added to the sharded gradient in ``main_grads_dtype`` (kept in a
+private buffer when that differs from the master dtype, ``.grad`` being its cast).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_lab.memory.tags import tag
+from fsdp_lab.precision import accumulation_dtype
 
 __all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy"]
 
@@ -81,12 +88,15 @@ class FSDPParam:
 
     ``module_infos``: every (module, attribute name) through which the parameter is reached
     (more than one for tied weights). ``device``: where compute runs; ``offload`` keeps the
-    shard (and its gradient) on CPU instead. Raises ValueError for a 0-dim parameter.
+    shard (and its gradient) on CPU instead. ``main_dtype``: dtype of the stored shard (the
+    master weights; default the parameter's own); ``main_grads_dtype``: accumulation dtype
+    (None: PyTorch's choice). Raises ValueError for a 0-dim parameter.
     """
 
     def __init__(self, param: nn.Parameter, module_infos: list[tuple[nn.Module, str]], mesh, device: torch.device,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, offload: bool = False,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, main_dtype: torch.dtype | None = None,
+                 main_grads_dtype: torch.dtype | None = None):
         if param.dim() == 0:
             raise ValueError(f"cannot shard the 0-dim parameter {module_infos[0][1]!r} on dim 0; "
                              "give it shape (1,) or keep it out of fully_shard")
@@ -95,8 +105,13 @@ class FSDPParam:
         self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
         self.orig_size, self.orig_dtype = param.shape, param.dtype
         self.requires_grad = param.requires_grad
-        self.param_dtype = param_dtype if param_dtype not in (None, param.dtype) else None
+        self.main_dtype = main_dtype or param.dtype  # dtype of the shard the optimizer updates
+        self.compute_dtype = param_dtype or param.dtype
+        self.param_dtype = self.compute_dtype if self.compute_dtype != self.main_dtype else None
         self.reduce_dtype = reduce_dtype
+        self.main_grads_dtype = main_grads_dtype
+        self._sharded_main_grad: torch.Tensor | None = None  # accumulator when its dtype != main_dtype
+        self._exposed_grad: tuple[torch.Tensor, int] | None = None  # (the .grad it was cast to, its version)
         self.offload, self.pin_memory = offload, pin_memory and torch.cuda.is_available()
         rows = self.orig_size[0]
         self.padded_rows = math.ceil(rows / self.world_size)
@@ -116,7 +131,7 @@ class FSDPParam:
             local = data.fsdp_shard(self.rank, self.world_size).to(storage_device)
             self._sharded_data = None
         else:
-            padded = torch.zeros(self.padded_sharded_size, dtype=data.dtype, device=storage_device)
+            padded = torch.zeros(self.padded_sharded_size, dtype=self.main_dtype, device=storage_device)
             start = self.rank * self.padded_rows
             padded[: self.local_rows].copy_(data[start:start + self.local_rows])
             if self.pin_memory and storage_device.type == "cpu":
@@ -126,7 +141,7 @@ class FSDPParam:
             local = padded.narrow(0, 0, self.local_rows)
         self.is_extension = hasattr(local, "fsdp_pre_all_gather")
         self._spec = DTensorSpec(self.mesh, (Shard(0),), tensor_meta=TensorMeta(
-            self.orig_size, _contiguous_stride(self.orig_size), self.orig_dtype))
+            self.orig_size, _contiguous_stride(self.orig_size), self.main_dtype))
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=self.requires_grad)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
@@ -154,7 +169,7 @@ class FSDPParam:
         data = self._sharded_data
         if self.offload:
             data = data.to(self.device, non_blocking=True)
-        return [data], [self.param_dtype or self.orig_dtype]
+        return [data], [self.compute_dtype]
 
     # -- 3. unshard -----------------------------------------------------------------------
     def alloc_all_gather_outputs(self, inputs: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
@@ -226,7 +241,7 @@ class FSDPParam:
         if self._unsharded_param is None or self._unsharded_param.grad is None:
             return
         grad, self._unsharded_param.grad = self._unsharded_param.grad, None
-        dtype = self.reduce_dtype or grad.dtype
+        dtype = accumulation_dtype(self.main_grads_dtype, grad.dtype, self.reduce_dtype or grad.dtype)
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = tag(grad.to(dtype, copy=grad.dtype != dtype), "unsharded_grads")
         else:
@@ -244,7 +259,11 @@ class FSDPParam:
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
         """Make this rank's reduced rows (a flat slice of the padded shard) the DTensor's grad, or add them to it."""
         local = reduced_shard.view(self.padded_sharded_size).narrow(0, 0, self.local_rows)
-        local = local.to(self.orig_dtype)
+        acc_dtype = accumulation_dtype(self.main_grads_dtype, self.compute_dtype, self.main_dtype)
+        if acc_dtype != self.main_dtype:
+            self._accumulate_main_grad(local, acc_dtype)
+            return
+        local = local.to(self.main_dtype)
         if self.offload:
             local = local.to("cpu", non_blocking=True)
         tag(local, "sharded_grads")
@@ -253,3 +272,23 @@ class FSDPParam:
             existing._local_tensor.add_(local)
             return
         self.sharded_param.grad = self._to_dtensor(local)
+
+    def _accumulate_main_grad(self, local: torch.Tensor, acc_dtype: torch.dtype) -> None:
+        """Accumulate in ``acc_dtype`` (a private buffer) and expose its cast as ``.grad``.
+
+        The buffer restarts from ``.grad`` whenever the optimizer changed it since it was
+        written (set to None, replaced, or zeroed in place: its version counter moved).
+        """
+        existing = self.sharded_param.grad
+        exposed = None if existing is None else existing._local_tensor
+        acc = self._sharded_main_grad
+        fresh = self._exposed_grad is not None and exposed is self._exposed_grad[0] \
+            and exposed._version == self._exposed_grad[1]
+        if acc is None or not fresh:
+            acc = None if exposed is None else exposed.to(acc_dtype, copy=True)
+        local = local.to("cpu" if self.offload else local.device)
+        acc = tag(local.to(acc_dtype, copy=True), "sharded_grads") if acc is None else acc.add_(local.to(acc_dtype))
+        self._sharded_main_grad = acc
+        out = tag(acc.to(self.main_dtype), "sharded_grads")
+        self.sharded_param.grad = self._to_dtensor(out)
+        self._exposed_grad = (out, out._version)

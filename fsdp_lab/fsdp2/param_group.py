@@ -22,11 +22,25 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from fsdp_lab import collectives
+from fsdp_lab import collectives, sync_points
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.memory.tags import tag
+from fsdp_lab.precision import accumulation_dtype
 
-__all__ = ["FSDPParamGroup"]
+__all__ = ["FSDPParamGroup", "set_synchronous"]
+
+# True: every collective is waited for right after it is issued (no overlap with compute);
+# a baseline for measuring what overlap buys. See ``set_synchronous``.
+_SYNCHRONOUS = False
+
+
+def set_synchronous(synchronous: bool) -> bool:
+    """Wait for every all-gather and reduce-scatter as soon as it is issued (True) or let them
+    run under compute (False, the default). Prefetches still happen, only eagerly finished.
+    Returns the previous setting."""
+    global _SYNCHRONOUS
+    previous, _SYNCHRONOUS = _SYNCHRONOUS, bool(synchronous)
+    return previous
 
 
 class _AllGather:
@@ -93,13 +107,14 @@ class FSDPParamGroup:
         torch._foreach_copy_(list(torch.split(flat_input, split_numels)), sources)
         output = tag(torch.empty(flat_input.numel() * self.world_size, dtype=buffer_dtype, device=self.device),
                      "comm_buffers")
+        sync_points.fire("all_gather", self.name)  # after the allocations: nothing fails between sync and collective
         handle = collectives.all_gather_into_tensor(output, flat_input, group=self.group, async_op=True,
                                                     meta={"module": self.name})
         input_sizes = [t.shape for t in inputs]
         self._all_gather = _AllGather(handle, output, buffer_dtype, input_sizes, split_numels)
         self._all_gather_dtypes, self._all_gather_inputs = dtypes, inputs  # for copy-out
         self._owners = owners
-        if not async_op:
+        if not async_op or _SYNCHRONOUS:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
@@ -157,7 +172,7 @@ class FSDPParamGroup:
                 grads.append(fsdp_param.padded_unsharded_grad(grad))
         if not params:
             return None
-        reduce_dtype = self.reduce_dtype or grads[0].dtype
+        reduce_dtype = self.reduce_dtype or params[0].compute_dtype  # the wire (grad_comm_dtype) dtype
         collectives.ensure_reducible(reduce_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
         split_numels = [g.numel() // self.world_size for g in grads]
         flat_input = tag(torch.empty(sum(split_numels) * self.world_size, dtype=reduce_dtype, device=self.device),
@@ -166,10 +181,18 @@ class FSDPParamGroup:
         columns = torch.split(flat_input.view(self.world_size, -1), split_numels, dim=1)
         torch._foreach_copy_(list(columns), [g.view(self.world_size, -1) for g in grads])
         del grads
-        output = tag(torch.empty(sum(split_numels), dtype=reduce_dtype, device=self.device), "sharded_grads")
+        # the output becomes the sharded grads, unless they accumulate in another dtype: then it
+        # is a temporary comm buffer, freed once its rows have been added (``_ReduceScatter.wait``)
+        temporary = any(accumulation_dtype(p.main_grads_dtype, p.compute_dtype, p.main_dtype) != reduce_dtype
+                        or p.main_dtype != reduce_dtype for p in params)
+        output = tag(torch.empty(sum(split_numels), dtype=reduce_dtype, device=self.device),
+                     "comm_buffers" if temporary else "sharded_grads")
         op = "avg" if self.world_size > 1 else "sum"
+        sync_points.fire("reduce_scatter", self.name)
         handle = collectives.reduce_scatter_tensor(output, flat_input, op=op, group=self.group, async_op=True,
                                                    meta={"module": self.name})
+        if _SYNCHRONOUS:
+            handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
         return _ReduceScatter(handle, output, params, split_numels)
 
     # -- inspection --------------------------------------------------------------------------

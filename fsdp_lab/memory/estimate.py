@@ -109,14 +109,22 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
                      activation_checkpointing: bool = False, lora_rank: int = 0) -> dict[str, int]:
     """Bytes saved for backward, by part: ``per_block``, ``blocks`` (all L), ``final_norm``,
     ``loss`` (log-softmax output), ``total``; plus ``recompute`` (one block's activations
-    rebuilt in backward under checkpointing, else 0). Formula in the module docstring."""
+    rebuilt in backward under checkpointing, else 0). Formula in the module docstring.
+
+    ``lora_rank`` > 0 means QLoRA: only the adapters train, so a norm's weight is frozen and
+    its normalised output is not saved for the weight's gradient (e*T*d less per norm), and
+    the final norm's output feeds the frozen ``output`` projection, which saves nothing."""
     e = torch.empty((), dtype=dtype).element_size()
     T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
     norm = 4 * T * d + 2 * e * T * d + 4 * T
+    final_norm = norm
+    if lora_rank:
+        norm -= e * T * d
+        final_norm -= 2 * e * T * d
     block = 2 * norm + 4 * e * T * d + 4 * T * h + e * T * d + 4 * e * T * f
     block += 7 * e * T * lora_rank  # LoRA: each adapted linear saves its A output for B
     kept = e * T * d if activation_checkpointing else block
-    parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": norm,
+    parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": final_norm,
              "loss": 4 * T * V + 8 * T, "recompute": block if activation_checkpointing else 0,
              "backward_transient": 2 * e * T * f}
     parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"]
@@ -132,10 +140,17 @@ def _bytes_of(dtype) -> int:
 
 
 def _nf4_bytes(numel: int) -> int:
-    """NF4 storage of a weight: 4-bit codes, an int8 scale per 64 values, a 16-bit factor per
-    256 scales (double quantisation, as torchao's to_nf4)."""
-    blocks = math.ceil(numel / NF4_BLOCK)
-    return math.ceil(numel / 2) + blocks + 2 * math.ceil(blocks / NF4_SCALER_BLOCK)
+    """NF4 storage of a weight as ``to_nf4`` keeps it (double quantisation, as torchao):
+    4-bit codes, an int8 scale per 64 values, a float32 factor per 256 scales, a float32 mean."""
+    from fsdp_lab.qlora.nf4 import nf4_storage_bytes
+    return nf4_storage_bytes(numel, NF4_BLOCK, NF4_SCALER_BLOCK, double_quant=True)
+
+
+def _nf4_shard_bytes(numel: int, shards: int) -> int:
+    """Bytes of rank 0's shard of an NF4 weight: FSDP2 shards by whole blocks (``nf4_fsdp.py``)."""
+    from fsdp_lab.qlora.nf4_fsdp import all_gather_bytes, plan_shards
+    plan = plan_shards(numel, NF4_BLOCK, NF4_SCALER_BLOCK, True, shards)
+    return all_gather_bytes(plan, NF4_BLOCK, True) // shards
 
 
 def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param_dtype=torch.float32,
@@ -187,12 +202,13 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     units: dict[str, int] = {}
     for unit, _, shape in shapes:
         units[unit] = units.get(unit, 0) + math.prod(shape)
-    trainable, frozen, quant_numel, quant_bytes = [], [], 0, 0
+    trainable, frozen, quant_numel, quant_bytes, quant_shard = [], [], 0, 0, 0
     for unit, name, shape in shapes:
         leaf = name.split(".")[-1]
         if qlora and unit != "root" and leaf in LORA_TARGETS:
             quant_numel += math.prod(shape)
             quant_bytes += _nf4_bytes(math.prod(shape))
+            quant_shard += _nf4_shard_bytes(math.prod(shape), shards) if sharded else 0
             out_f, in_f = shape
             trainable += [(unit, (lora_rank, in_f)), (unit, (out_f, lora_rank))]
         elif qlora:
@@ -220,7 +236,8 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     n_trainable_tensors = len(trainable)
     train_numel = shard_numel(trainable)
     frozen_numel = shard_numel(frozen)
-    quant_local = quant_bytes if not sharded else math.ceil(quant_bytes / shards)
+    # FSDP1 keeps each unit's NF4 bytes in one flat uint8 parameter (ceil(bytes / N) per rank)
+    quant_local = quant_bytes if not sharded else (math.ceil(quant_bytes / shards) if flat else quant_shard)
     full_train = sum(math.prod(s) for _, s in trainable)
 
     param_cat, grad_cat = ("sharded_params", "sharded_grads") if sharded else ("params", "grads")
@@ -286,23 +303,32 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     else:
         keep_unsharded = strategy == "fsdp1_shard_grad_op" or (strategy == "fsdp2" and not reshard_after_forward)
         layers_unsharded = config.n_layers * layer_numel * c if keep_unsharded else 0
-        # QLoRA: the NF4 linears stay quantised; only norms and adapters are gathered
+        # QLoRA: the NF4 linears are gathered as packed bytes (layer_quant bytes per block,
+        # copied out of the flat all-gather buffer); norms and adapters in the compute dtype.
+        # Each NF4 linear dequantizes its weight into a temporary in forward and in backward.
         layer_gathered = (layer_numel - quant_numel / max(config.n_layers, 1) + layer_grad) if qlora else layer_numel
+        layer_quant = quant_bytes // max(config.n_layers, 1) if qlora else 0
+        dequant_temp = max((math.prod(s) for u, n, s in shapes if u != "root" and n.split(".")[-1] in LORA_TARGETS),
+                           default=0) * c if qlora else 0
         unsharded_fwd = root_numel * c + (layers_unsharded if not qlora else 0)
+        if qlora and keep_unsharded:
+            unsharded_fwd += config.n_layers * (layer_quant + int(layer_gathered * c))
         # backward of the last block: root stays gathered, this block and the prefetched next
         # are gathered, the head's full gradient waits for the root's reduce-scatter at the end
         # of backward, and this block's full gradient and its reduce-scatter input coexist once
-        gathered = unsharded_fwd if keep_unsharded else root_numel * c + int(2 * layer_gathered * c)
+        gathered = unsharded_fwd if keep_unsharded else root_numel * c + 2 * (int(layer_gathered * c) + layer_quant)
         # the last all-gather's flat buffer (one block) is still held when forward ends
         phases["forward_end"] = phase(activations=acts["total"], temporaries=loss_grad,
                                       unsharded_params=unsharded_fwd,
-                                      comm_buffers=0 if keep_unsharded else int(layer_gathered * c))
+                                      comm_buffers=0 if keep_unsharded else int(layer_gathered * c) + layer_quant)
         phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
                                    unsharded_grads=int(head_grad * g + layer_grad * g),
-                                   comm_buffers=int(layer_grad * g))
-        phases["backward_end"] = phase(activations=acts["last_block"], unsharded_params=root_numel * c + int(layer_gathered * c),
+                                   comm_buffers=int(layer_grad * g), temporaries=dequant_temp)
+        phases["backward_end"] = phase(activations=acts["last_block"],
+                                       unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
                                        unsharded_grads=int(emb_grad * g + layer_grad * g), comm_buffers=int(layer_grad * g),
-                                       temporaries=acts["backward_transient"], **{grad_cat: grads_on_device})
+                                       temporaries=acts["backward_transient"] + dequant_temp,
+                                       **{grad_cat: grads_on_device})
         phases["optimizer_step"] = phase(**{grad_cat: grads_on_device}, temporaries=0 if cpu_offload else opt_temp)
         notes.append("FSDP transients: one block and its prefetched successor gathered in backward; "
                      "the root module stays gathered between forward and backward")
@@ -324,12 +350,15 @@ MEASURABLE = ("ddp", "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_no_shard"
 
 def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, seq_len: int,
                  param_dtype=torch.float32, activation_checkpointing: bool = False,
-                 reshard_after_forward: bool = True, foreach: bool = False, seed: int = 0):
+                 reshard_after_forward: bool = True, foreach: bool = False, seed: int = 0,
+                 qlora: bool = False, lora_rank: int = 8):
     """Run two training steps of ``Llama(config)`` under ``strategy`` on this rank and return the
     MemoryTracker result of the second (steady state), to set beside :func:`estimate`.
 
     Call it inside ``fsdp_lab.launch`` or ``fsdp_lab.simulated_world`` (or alone for "ddp" with
     one process). "ddp" all-reduces gradients in place (no buckets); FSDP1 wraps every block.
+    ``qlora``: NF4 base weights with LoRA adapters of ``lora_rank`` on the block linears
+    (``fsdp_lab.qlora.apply_lora``), AdamW on the adapters only.
     Raises ValueError for a strategy that cannot be measured here (``MEASURABLE`` lists them).
     """
     import torch.distributed as dist
@@ -347,6 +376,10 @@ def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, s
     gc.collect()  # an earlier model held in reference cycles would still count as live memory
     device = current_device()
     model = Llama(config, seed=seed).to(device=device, dtype=param_dtype)
+    if qlora:
+        from fsdp_lab.qlora import apply_lora
+        torch.manual_seed(seed)
+        apply_lora(model, LORA_TARGETS, rank=lora_rank, quantize_base=True)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if strategy == "fsdp2":
@@ -360,7 +393,7 @@ def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, s
                     "fsdp1_shard_grad_op": ShardingStrategy.SHARD_GRAD_OP}[strategy]
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                                          sharding_strategy=sharding)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=foreach)
     vocab = model.config.vocab_size if hasattr(model, "config") else LlamaConfig.from_name(config).vocab_size
     rank = dist.get_rank() if dist.is_initialized() else 0
     replicated = strategy == "ddp" and dist.is_initialized() and dist.get_world_size() > 1

@@ -199,7 +199,9 @@ def double_quantize_scales(
     group_absmax = groups.abs().amax(dim=1)
     factors = torch.where(group_absmax > 0, 256 / (2 * group_absmax), torch.ones_like(group_absmax))
     q = (groups * factors[:, None]).round().clamp(-128, 127).to(torch.int8)
-    return q.view(-1)[: scales.numel()], factors, mean
+    # a copy when the last group was padded, so the storage holds exactly one byte per scale
+    q = q.view(-1)[: scales.numel()].clone() if padding else q.view(-1)
+    return q, factors, mean
 
 
 def dequantize_scales(
@@ -230,6 +232,28 @@ def nf4_bits_per_param(block_size: int = 64, scaler_block_size: int = 256, doubl
     if double_quant:
         return 4 + 8 / block_size + 32 / (block_size * scaler_block_size)
     return 4 + 32 / block_size
+
+
+def nf4_storage_bytes(numel: int, block_size: int = 64, scaler_block_size: int = 256,
+                      double_quant: bool = True) -> int:
+    """Exact bytes ``to_nf4`` stores for a tensor of ``numel`` values (all four inner tensors).
+
+    n_blocks = ceil(numel / block_size) (at least 1); codes take n_blocks * block_size / 2
+    bytes. With double quantization: an int8 scale per block, a float32 factor per group of
+    ``scaler_block_size`` scales and one float32 mean, i.e.
+    ``n_blocks*block_size/2 + n_blocks + 4*ceil(n_blocks/scaler_block_size) + 4``;
+    without it, a float32 scale per block. Raises ValueError for a negative numel or bad sizes.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    _check_block_size(block_size)
+    if scaler_block_size < 1:
+        raise ValueError(f"scaler_block_size must be >= 1, got {scaler_block_size}")
+    n_blocks = n_blocks_for(numel, block_size)
+    codes = n_blocks * block_size // 2
+    if double_quant:
+        return codes + n_blocks + 4 * math.ceil(n_blocks / scaler_block_size) + 4
+    return codes + 4 * n_blocks
 
 
 def _check_block_size(block_size: int) -> None:
