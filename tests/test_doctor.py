@@ -1,0 +1,170 @@
+"""`fsdp-lab doctor`: each check reports OK on this machine and names the fix when it fails."""
+
+import argparse
+import importlib
+import json
+
+import pytest
+import torch
+
+from fsdp_lab import doctor
+
+
+def run(capsys, *flags) -> tuple[int, str]:
+    """Parse ``doctor *flags`` as the CLI does and run it; returns (exit code, printed text)."""
+    parser = argparse.ArgumentParser(prog="fsdp-lab")
+    doctor.add_doctor_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["doctor", *flags])
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def line_of(output: str, name: str) -> str:
+    """The report line of check ``name`` plus its "->" fix line, if any."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line[6:].startswith(name):
+            fix = lines[i + 1] if i + 1 < len(lines) and lines[i + 1].lstrip().startswith("->") else ""
+            return f"{line}\n{fix}"
+    raise AssertionError(f"no line for {name!r} in:\n{output}")
+
+
+def pretend_missing(monkeypatch, *distributions):
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version",
+                        lambda name: None if name in distributions else real(name))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2.13.0+cpu", (2, 13, 0)), ("2.6.0", (2, 6, 0)), ("4.0.0rc1", (4, 0, 0)), ("8", (8,)),
+])
+def test_parse_version(text, expected):
+    assert doctor.parse_version(text) == expected
+
+
+def test_parse_version_orders_two_digit_minors():
+    assert doctor.parse_version("2.10.1")[:2] >= doctor.MIN_TORCH  # 10 > 6, not "1" < "6"
+    assert doctor.parse_version("2.5.1")[:2] < doctor.MIN_TORCH
+
+
+def test_parse_version_rejects_garbage():
+    with pytest.raises(ValueError, match="not a version"):
+        doctor.parse_version("unknown")
+
+
+def test_python_version_boundary():
+    assert doctor.check_python((3, 10, 0)).status == "OK"
+    old = doctor.check_python((3, 9, 18))
+    assert old.status == "FAIL" and "3.9.18" in old.detail and "Python >= 3.10" in old.fix
+
+
+def test_this_machine_passes_without_launch(capsys):
+    code, out = run(capsys, "--no-launch")
+    assert code == 0, out
+    assert "2-rank launch" not in out
+    for name in ("Python", "torch", "gloo", "JupyterLab", "ipykernel", "ipywidgets",
+                 "widgets extension", "matplotlib"):
+        assert line_of(out, name).startswith("OK"), out
+    assert f"{torch.__version__} (CPU build)" in out or "CUDA" in out
+
+
+def test_missing_jupyterlab_fails_and_names_the_install(monkeypatch, capsys):
+    pretend_missing(monkeypatch, "jupyterlab")
+    code, out = run(capsys, "--no-launch")
+    assert code == 1
+    line = line_of(out, "JupyterLab")
+    assert line.startswith("FAIL") and "not installed" in line
+    assert "pip install 'jupyterlab>=4'" in line and '.[lab]' in line
+    assert "fix the FAIL lines" in out
+
+
+def test_old_ipywidgets_fails_with_upgrade_command(monkeypatch):
+    real = doctor.installed_version
+    monkeypatch.setattr(doctor, "installed_version",
+                        lambda name: "7.8.1" if name == "ipywidgets" else real(name))
+    check = doctor.check_ipywidgets()
+    assert check.status == "FAIL" and "7.8.1 is older than 8" in check.detail
+    assert check.fix == "pip install --upgrade 'ipywidgets>=8'"
+
+
+def test_missing_nbval_only_warns(monkeypatch, capsys):
+    pretend_missing(monkeypatch, "nbval")
+    code, out = run(capsys, "--no-launch")
+    assert code == 0
+    assert line_of(out, "nbval").startswith("WARN") and "pip install nbval" in line_of(out, "nbval")
+
+
+def test_widgets_extension_missing_from_jupyterlab_paths(monkeypatch, tmp_path):
+    monkeypatch.setattr(doctor, "labextension_dirs", lambda: [tmp_path])
+    check = doctor.check_widgets_extension()
+    assert check.status == "FAIL" and "widgets would show as text" in check.detail
+    assert "jupyterlab_widgets" in check.fix and "restart JupyterLab" in check.fix
+
+    pretend_missing(monkeypatch, "jupyterlab_widgets")
+    check = doctor.check_widgets_extension()
+    assert check.status == "FAIL" and "jupyterlab_widgets is not installed" in check.detail
+    assert "pip install 'jupyterlab_widgets>=3'" in check.fix
+
+
+def test_widgets_extension_found_in_a_labextensions_folder(monkeypatch, tmp_path):
+    package = tmp_path / "@jupyter-widgets" / "jupyterlab-manager" / "package.json"
+    package.parent.mkdir(parents=True)
+    package.write_text(json.dumps({"name": "@jupyter-widgets/jupyterlab-manager", "version": "5.0.99"}))
+    monkeypatch.setattr(doctor, "labextension_dirs", lambda: [tmp_path / "elsewhere", tmp_path])
+    check = doctor.check_widgets_extension()
+    assert check.status == "OK" and "5.0.99" in check.detail and str(tmp_path) in check.detail
+
+
+def test_disabled_widgets_extension_fails_with_enable_command(monkeypatch):
+    monkeypatch.setattr(doctor, "disabled_labextensions", lambda: {doctor.WIDGETS_EXTENSION})
+    check = doctor.check_widgets_extension()
+    assert check.status == "FAIL" and "disabled" in check.detail
+    assert check.fix.startswith("jupyter labextension enable @jupyter-widgets/jupyterlab-manager")
+
+
+def test_old_torch_fails(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
+    check = doctor.check_torch()
+    assert check.status == "FAIL" and "2.5.1+cpu" in check.detail
+    assert "torch>=2.6" in check.fix
+
+
+def test_cuda_build_without_a_visible_gpu_warns(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check = doctor.check_cuda()
+    assert check.status == "WARN" and "nvidia-smi" in check.fix
+
+
+def test_missing_gloo_fails(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_gloo_available", lambda: False)
+    check = doctor.check_gloo()
+    assert check.status == "FAIL" and "pytorch.org" in check.fix
+
+
+def test_a_crashing_check_is_a_fail_not_a_crash(monkeypatch, capsys):
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(doctor, "check_matplotlib", broken)
+    code, out = run(capsys, "--no-launch")
+    assert code == 1
+    assert line_of(out, "matplotlib").startswith("FAIL") and "crashed: RuntimeError: boom" in out
+
+
+def test_failed_launch_names_the_fix(monkeypatch):
+    launch_module = importlib.import_module("fsdp_lab.launch")
+
+    def refuse(*args, **kwargs):
+        raise launch_module.LaunchError("rank 1 died without reporting (exit code -9)")
+
+    monkeypatch.setattr(launch_module, "launch", refuse)
+    check = doctor.check_launch(timeout=5)
+    assert check.status == "FAIL" and "rank 1 died" in check.detail
+    assert "127.0.0.1" in check.fix and "fsdp_lab.launch(print, 1, world_size=2)" in check.fix
+
+
+def test_real_two_rank_all_reduce_sums_one_plus_two(capsys):
+    code, out = run(capsys, "--launch-timeout", "120")
+    assert code == 0, out
+    assert line_of(out, "2-rank launch").startswith("OK") and "gives 3.0" in out
