@@ -1,0 +1,39 @@
+"""benchmarks/report.py: docs/benchmarks.md is laid out from the recorded JSON, and is current."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("bench_report", REPO / "benchmarks" / "report.py")
+report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(report)
+
+
+def test_flatten_nested_results():
+    tree = {"a": {"b": 1, "c": [1.5, 2]}, "runs": [{"x": 1}, {"x": 2}], "d": "text"}
+    assert report.flatten(tree) == {"a.b": 1, "a.c": "1.5, 2", "runs.0.x": 1, "runs.1.x": 2, "d": "text"}
+
+
+def test_section_puts_ratios_and_targets_first(tmp_path):
+    result = tmp_path / "nf4_cpu.json"  # named like a real script, so its docstring heads the section
+    result.write_text(json.dumps({"device": "cpu", "time_ratio": 1.23456, "targets": {"time_ratio_max": 1.1},
+                                  "peak_bytes": 3 * 2**20}))
+    text = report.section(result)
+    headline, details = text.split("<details>")
+    assert "| `time_ratio` | 1.235 |" in headline and "| `targets.time_ratio_max` | 1.1 |" in headline
+    assert "| `peak_bytes` | 3145728 (3.00 MiB) |" in details
+    assert "Recorded on: device cpu." in text
+    assert "Run: `python benchmarks/nf4.py`" in text
+
+
+def test_render_without_results_says_what_to_do(tmp_path):
+    with pytest.raises(FileNotFoundError, match="run a script in benchmarks/ first"):
+        report.render(tmp_path)
+
+
+def test_docs_benchmarks_md_is_current():
+    assert (REPO / "docs" / "benchmarks.md").read_text() == report.render(), \
+        "docs/benchmarks.md is out of date: run python benchmarks/report.py"
