@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt
 _COLORS = {
     "forward": "#4C72B0",
     "backward": "#55A868",
+    "optimizer": "#CCB974",
     "compute": "#8C8C8C",
     "all_gather": "#DD8452",
     "reduce_scatter": "#C44E52",
@@ -55,7 +56,7 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
 
 
 _PHASES = ("forward", "backward", "optimizer", "other_compute", "exposed_comm", "idle")
-_PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B3",
+_PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#CCB974",
                  "other_compute": "#8C8C8C", "exposed_comm": "#C44E52", "idle": "#EEEEEE"}
 
 

@@ -19,6 +19,7 @@ from IPython.display import display
 
 # CSS class on each lab's main widget, so the browser test can find it.
 MAIN_WIDGET_CLASS = "fsdp-lab-main"
+ERROR_CLASS = "fsdp-lab-error"  # on the message an Explorer shows when its render raised
 
 
 class Explorer:
@@ -41,7 +42,7 @@ class Explorer:
         self.last_text = ""
         header = [widgets.HTML(f"<b>{title}</b>")] if title else []
         panel = widgets.VBox(header + list(controls.values()) + [self.button],
-                             layout=widgets.Layout(min_width="280px"))
+                             layout=widgets.Layout(min_width="320px"))
         self.widget = widgets.HBox([panel, widgets.VBox([self.output, self.text])])
         self.widget.add_class(MAIN_WIDGET_CLASS)
         if auto:
@@ -55,25 +56,34 @@ class Explorer:
         """Run ``render`` with the current control values and show its figure."""
         self.button.disabled = True
         try:
-            result = self.render(**self.values())
-            fig, text = result if isinstance(result, tuple) else (result, "")
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-            self.last_png, self.last_text = buf.getvalue(), text
-            self.output.clear_output(wait=True)
-            with self.output:
-                display(fig)
-            plt.close(fig)
-            self.text.value = f"<pre>{text}</pre>" if text else ""
+            self._draw(self.render(**self.values()))
         except Exception as error:  # shown to the learner, not raised into the event loop
             self.last_text = f"{type(error).__name__}: {error}"
-            self.text.value = f"<pre style='color:#b00'>{self.last_text}</pre>"
+            self.text.value = f"<pre class='{ERROR_CLASS}' style='color:#b00'>{self.last_text}</pre>"
         finally:
             self.button.disabled = False
 
-    def show(self) -> "Explorer":
-        """Render once and display the widget; returns self."""
-        self.update()
+    def _draw(self, result) -> None:
+        fig, text = result if isinstance(result, tuple) else (result, "")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+        self.last_png, self.last_text = buf.getvalue(), text
+        self.output.clear_output(wait=True)
+        with self.output:
+            display(fig)
+        plt.close(fig)
+        self.text.value = f"<pre>{text}</pre>" if text else ""
+
+    def show(self, first=None) -> "Explorer":
+        """Display the widget with a figure; returns self.
+
+        ``first``: what ``render`` returned for the controls' current values (a figure, or
+        ``(figure, text)``), when a cell above already computed it; None renders once here.
+        """
+        if first is None:
+            self.update()
+        else:
+            self._draw(first)
         display(self.widget)
         return self
 
