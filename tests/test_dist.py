@@ -171,7 +171,9 @@ def test_init_distributed_under_torchrun(tmp_path):
         rank, world_size = init_distributed(timeout=120)
         t = torch.full((2,), float(rank + 1), device=current_device())
         dist.all_reduce(t)
-        print(f"rank {rank} of {world_size}: {dist.get_backend()} {current_device()} {t.tolist()}")
+        line = f"rank {rank} of {world_size}: {dist.get_backend()} {current_device()} {t.tolist()}"
+        with open(f"rank{rank}.txt", "w") as out:  # a file per rank: stdout lines of two ranks can interleave
+            out.write(line)
         dist.destroy_process_group()
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
@@ -183,7 +185,7 @@ def test_init_distributed_under_torchrun(tmp_path):
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.splitlines()) == [
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [
         "rank 0 of 2: gloo cpu [3.0, 3.0]",
         "rank 1 of 2: gloo cpu [3.0, 3.0]",
     ]
