@@ -313,7 +313,7 @@ CELLS = [
                                      description="wrapping"),
         "world_size": widgets.Dropdown(options=[1, 2, 4], value=2, description="world size"),
     }, render, title="FSDP1: one step", auto=False)
-    explorer
+    explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
     ## 8. Exercise: a rank's shard boundaries

@@ -227,10 +227,10 @@ CELLS = [
     code("""
     explorer = Explorer({
         "world_size": widgets.Dropdown(options=[1, 2, 4], value=2, description="world size"),
-        "wrapping": widgets.Dropdown(options=["per block", "whole model"], value="per block", description="wrapping"),
+        "wrapping": widgets.Dropdown(options=["per block", "whole model"], value="whole model", description="wrapping"),
         "reshard_after_forward": widgets.Checkbox(value=True, description="reshard_after_forward"),
     }, render, title="FSDP2: one step", auto=False)
-    explorer
+    explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
     With the whole model as one group the peak of `unsharded_params` is the whole model: sharding saves
