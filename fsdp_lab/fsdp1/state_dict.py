@@ -99,6 +99,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _match_names(model: nn.Module, state: dict, strict: bool):
+    """The model's parameters and persistent buffers by name, and the names only one side has.
+
+    Raises KeyError under ``strict`` when a name is missing or unexpected.
+    """
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    expected.update(_persistent_buffers(model))
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return expected, missing, unexpected
+
+
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True):
     """Copy each rank's slice of every full tensor in ``state`` into its shard.
@@ -107,12 +121,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
     Returns ``(missing, unexpected)`` name lists.
     """
     managed = _managed(model)
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    expected.update(_persistent_buffers(model))
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if strict and (missing or unexpected):
-        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    expected, missing, unexpected = _match_names(model, state, strict)
     for name, target in expected.items():
         if name not in state:
             continue
@@ -152,12 +161,7 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, object], strict: 
     match this rank's slice of the parameter (different world size or wrapping).
     """
     managed = _managed(model)
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    expected.update(_persistent_buffers(model))
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if strict and (missing or unexpected):
-        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    expected, missing, unexpected = _match_names(model, state, strict)
     for name, target in expected.items():
         if name not in state:
             continue
