@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 # after the submodule is loaded, keeps ``fsdp_lab.launch`` the function even when other code
 # later runs ``import fsdp_lab.launch`` (a repeated import does not rebind the attribute).
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch  # noqa: E402
+from fsdp_lab.compare import compare  # noqa: E402  (same reason: module and function share a name)
 
 # public name -> module that defines it, loaded on first use
 _EXPORTS = {
@@ -37,11 +38,15 @@ _EXPORTS = {
     "NF4Tensor": "fsdp_lab.qlora.nf4_tensor",
     "apply_lora": "fsdp_lab.qlora.lora",
     "merge_lora": "fsdp_lab.qlora.lora",
+    "FullyShardedDataParallel": "fsdp_lab.fsdp1",
+    "AutoMicrobatch": "fsdp_lab.automicrobatch",
+    "memory_budget": "fsdp_lab.oom",
+    "inject_oom": "fsdp_lab.oom",
 }
 _SUBMODULES = ("collectives", "dist", "timeline", "precision", "memory", "models", "viz",
-               "fsdp1", "fsdp2", "qlora")
+               "fsdp1", "fsdp2", "qlora", "automicrobatch", "oom", "sync_points", "doctor")
 
-__all__ = ["launch", "LaunchError", "LaunchTimeout"] + sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = ["launch", "LaunchError", "LaunchTimeout", "compare"] + sorted(_EXPORTS) + list(_SUBMODULES)
 
 
 def __getattr__(name: str):
