@@ -120,21 +120,12 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
     Raises KeyError (strict) for missing/unexpected names, ValueError for a wrong shape.
     Returns ``(missing, unexpected)`` name lists.
     """
-    managed = _managed(model)
-    expected, missing, unexpected = _match_names(model, state, strict)
-    for name, target in expected.items():
-        if name not in state:
-            continue
-        value = state[name]
-        entry = managed.get(id(target))
-        if entry is None:  # ignored parameter or buffer: kept whole on every rank
-            target.copy_(value.to(target.device, target.dtype))
-            continue
-        _handle, info, (start, end) = entry
-        if tuple(value.shape) != tuple(info.shape):
-            raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, model has {tuple(info.shape)}")
-        target.copy_(value.reshape(-1)[start:end].to(target.device, target.dtype))
-    return missing, unexpected
+    def this_rank_slice(name, value, shape, start, end):
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, model has {shape}")
+        return value.reshape(-1)[start:end]
+
+    return _load(model, state, strict, this_rank_slice)
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, object]:
@@ -160,6 +151,19 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, object], strict: 
     Raises KeyError (strict) for missing/unexpected names; ValueError when a slice does not
     match this rank's slice of the parameter (different world size or wrapping).
     """
+    def saved_slice(name, value, shape, start, end):
+        if not isinstance(value, ShardedParam) or (value.start, value.end, tuple(value.shape)) != (start, end, shape):
+            got = (value.start, value.end) if isinstance(value, ShardedParam) else type(value).__name__
+            raise ValueError(f"{name}: saved slice {got} is not this rank's slice {(start, end)}; "
+                             f"load a sharded state dict on the same world size and wrapping, or use a full one")
+        return value.local
+
+    return _load(model, state, strict, saved_slice)
+
+
+def _load(model: nn.Module, state: dict, strict: bool, local_part) -> tuple[list[str], list[str]]:
+    """Copy ``state`` into the model: whole tensors into unmanaged parameters and buffers,
+    ``local_part(name, value, full_shape, start, end)`` into each managed parameter's shard."""
     managed = _managed(model)
     expected, missing, unexpected = _match_names(model, state, strict)
     for name, target in expected.items():
@@ -167,14 +171,9 @@ def load_sharded_state_dict(model: nn.Module, state: dict[str, object], strict: 
             continue
         value = state[name]
         entry = managed.get(id(target))
-        if entry is None:
+        if entry is None:  # ignored parameter or buffer: kept whole on every rank
             target.copy_(value.to(target.device, target.dtype))
             continue
         _handle, info, (start, end) = entry
-        if not isinstance(value, ShardedParam) or (value.start, value.end, tuple(value.shape)) != \
-                (start, end, tuple(info.shape)):
-            got = (value.start, value.end) if isinstance(value, ShardedParam) else type(value).__name__
-            raise ValueError(f"{name}: saved slice {got} is not this rank's slice {(start, end)}; "
-                             f"load a sharded state dict on the same world size and wrapping, or use a full one")
-        target.copy_(value.local.to(target.device, target.dtype))
+        target.copy_(local_part(name, value, tuple(info.shape), start, end).to(target.device, target.dtype))
     return missing, unexpected
