@@ -72,7 +72,7 @@ class Explorer:
         with self.output:
             display(fig)
         plt.close(fig)
-        self.text.value = f"<pre>{text}</pre>" if text else ""
+        self.text.value = f"<pre style='white-space:pre; overflow-x:auto'>{text}</pre>" if text else ""
 
     def show(self, first=None) -> "Explorer":
         """Display the widget with a figure; returns self.
