@@ -216,6 +216,17 @@ def test_state_dicts_round_trip_bit_exact(world_results):
         assert result["sharded_state_dict_is_local"] is True
 
 
+def test_state_dict_loading_errors_name_the_problem(world_results):
+    _, results = world_results
+    for result in results:
+        errors = result["state_dict_errors"]
+        assert errors["wrong shape"].startswith("ValueError") and "state dict has shape (3,)" in errors["wrong shape"]
+        assert errors["missing name"].startswith("KeyError") and "missing" in errors["missing name"]
+        message = errors["another rank's slice"]
+        assert message.startswith("ValueError") and "is not this rank's slice" in message
+        assert "same world size and wrapping" in message
+
+
 def test_sync_module_states_broadcasts_rank0(world_results):
     _, results = world_results
     assert all(result["sync_module_states"] is True for result in results)

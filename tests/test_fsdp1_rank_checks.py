@@ -61,8 +61,29 @@ def state_dict_checks() -> dict:
     owned = sum(b - a for u in set(_units(a).values()) for h in u._handles for a, b in h.local_slices())
     local = sum(v.local.numel() for v in sharded.values() if isinstance(v, ShardedParam))
     is_local = all(isinstance(v, ShardedParam) and v.local.numel() == v.end - v.start for v in sharded.values())
+    name = next(k for k, v in sharded.items() if isinstance(v, ShardedParam))
+    v = sharded[name]
+    bad_cases = {
+        "wrong shape": lambda: c.load_state_dict({**full, name: torch.zeros(3)}),
+        "missing name": lambda: c.load_state_dict({k: t for k, t in full.items() if k != name}),
+        "another rank's slice": lambda: _load_sharded(
+            c, {**sharded, name: ShardedParam(v.local, v.start + 1, v.end + 1, v.shape)}),
+    }
+    errors = {}
+    for case, load in bad_cases.items():
+        try:
+            load()
+            errors[case] = "no error"
+        except (KeyError, ValueError) as exc:
+            errors[case] = f"{type(exc).__name__}: {exc}"
     return {"full_state_dict_round_trip": full_ok, "sharded_state_dict_round_trip": sharded_ok,
-            "sharded_state_dict_is_local": is_local and local == owned}
+            "sharded_state_dict_is_local": is_local and local == owned, "state_dict_errors": errors}
+
+
+def _load_sharded(model, state) -> None:
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, StateDictType
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(state)
 
 
 def sync_module_states_checks() -> dict:
