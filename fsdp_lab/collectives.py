@@ -150,12 +150,17 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum", group=None,
-                          async_op: bool = False, lane: str = "comm", name: str = "reduce_scatter", meta: dict | None = None):
+                          async_op: bool = False, lane: str = "comm", name: str = "reduce_scatter",
+                          meta: dict | None = None, input_is_scratch: bool = False):
     """Reduce ``input`` (the full size, group_size chunks along dim 0) across ranks and
     leave chunk ``rank`` of the result in ``output``.
 
     ``op`` is "sum", "avg", "max", "min" or a ``ReduceOp``. On gloo this runs as a real
-    reduce-scatter (all-to-all + local sum in rank order), not gloo's all-reduce.
+    reduce-scatter (all-to-all + local sum in rank order), not gloo's all-reduce; the
+    all-to-all needs a full-size receive buffer. ``input_is_scratch=True`` (sum or avg only)
+    says the caller drops ``input`` afterwards: gloo then reduces each chunk in place onto its
+    owner (one reduce per rank) and allocates no receive buffer, as NCCL's in-place
+    reduce-scatter would; ``input``'s contents are undefined afterwards.
     Raises ValueError when ``input.numel() != output.numel() * group_size``.
     """
     n = dist.get_world_size(group)
@@ -172,10 +177,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         work = _native_reduce_scatter(output, input, reduce_op, group)
         return _run([work], lambda: None, event, async_op)
 
+    in_place = input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
     event = _enter(name, input.numel() * input.element_size(), input.dtype, n, lane, meta,
-                   impl="all_to_all+local_sum", staged=staged)
+                   impl="reduce_per_chunk" if in_place else "all_to_all+local_sum", staged=staged)
     send = input.detach().reshape(-1)
     send = send.cpu() if staged else send
+    if in_place:
+        return _run(*_reduce_chunks_in_place(output, send, reduce_op, group, n), event, async_op)
     received = torch.empty_like(send)
     work = dist.all_to_all_single(received, send, group=group, async_op=True)
 
@@ -185,6 +193,20 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         output.view(-1).copy_(result)
 
     return _run([work], finish, event, async_op)
+
+
+def _reduce_chunks_in_place(output, flat, reduce_op, group, n):
+    """gloo reduce-scatter without a receive buffer: chunk r of ``flat`` is summed onto rank r."""
+    chunks = flat.view(n, -1)
+    me = dist.get_rank(group)
+    works = [dist.reduce(chunks[r], dst=dist.get_global_rank(group, r) if group is not None else r,
+                         op=dist.ReduceOp.SUM, group=group, async_op=True) for r in range(n)]
+
+    def finish() -> None:
+        mine = chunks[me]
+        output.view(-1).copy_(mine.div_(n) if reduce_op == dist.ReduceOp.AVG else mine)
+
+    return works, finish
 
 
 def _native_all_gather(output, input, group):

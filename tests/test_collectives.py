@@ -52,6 +52,10 @@ def _collective_checks():
     except ValueError as e:
         out["size_error"] = str(e)
     collectives.set_progress_sink(None)
+    for op in ("sum", "avg"):  # in place on gloo: the input is scratch and no receive buffer is made
+        shard, scratch = torch.empty(K), full.clone()
+        collectives.reduce_scatter_tensor(shard, scratch, op=op, async_op=True, input_is_scratch=True).wait()
+        out[f"reduce_scatter_scratch_{op}"] = shard
     out["events"] = [(e.name, e.bytes, e.args.get("impl"), e.args.get("dtype")) for e in tl.comm_events()]
     out["seen"] = seen
     return out
@@ -81,6 +85,8 @@ def test_reduce_scatter_ops(results):
         assert torch.equal(out["reduce_scatter_max"], chunk * n)
         assert torch.equal(out["reduce_scatter_min"], chunk)
         assert torch.equal(out["reduce_scatter_async"], chunk * factors.sum())
+        assert torch.equal(out["reduce_scatter_scratch_sum"], chunk * factors.sum())
+        assert torch.allclose(out["reduce_scatter_scratch_avg"], chunk * factors.mean())
         assert out["reduce_scatter_bf16"].dtype == torch.bfloat16
         assert torch.allclose(out["reduce_scatter_bf16"].float(), chunk * factors.sum(), rtol=1e-2)
 

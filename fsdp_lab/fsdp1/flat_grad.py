@@ -111,8 +111,9 @@ def start_reduce(handle: FlatParamHandle, state: GradState) -> None:
         return
     output = tag(torch.empty(handle.shard_numel, dtype=full.dtype, device=full.device), "sharded_grads")
     sync_points.fire("reduce_scatter", handle.unit_name)
+    # the flat gradient dies after this reduce: let gloo reduce in place (no full-size receive buffer)
     work = collectives.reduce_scatter_tensor(output, full, group=handle.shard_group, async_op=True,
-                                             meta={"module": handle.unit_name})
+                                             meta={"module": handle.unit_name}, input_is_scratch=True)
     state.reduce = (output, work, full)
 
 

@@ -253,9 +253,9 @@ CELLS = [
           "| flat / concat peak:", f"{result['flat'][1] / result['concat'][1]:.3f}")
     """),
     md("""
-    The model is one unit here, so its gradient buffers are the largest thing in backward. (The
-    whole-step peak on gloo is also set by the reduce-scatter's receive buffer, the same in both modes:
-    see `benchmarks/fsdp1_flat_grad.py`.)
+    The model is one unit here, so its gradient buffers are the largest thing in backward, and the
+    saving shows in the whole step's peak too: the flat gradient is reduced in place, with no receive
+    buffer as large as itself (`benchmarks/fsdp1_flat_grad.py` measures both peaks).
 
     ## 6. Frozen units are freed in backward
 
