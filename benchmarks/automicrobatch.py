@@ -1,6 +1,6 @@
 """AutoMicrobatch once settled vs a fixed microbatch of the same size set by hand, side by side.
 
-    cd /work/main && PYTHONPATH=. python benchmarks/automicrobatch.py           # CPU, 2 ranks, gloo
+    python benchmarks/automicrobatch.py           # CPU, 2 ranks, gloo
     PYTHONPATH=. python benchmarks/automicrobatch.py --world-size 1              # on one GPU
 
 Both train the same FSDP2-sharded Llama (AdamW) in the same processes. AutoMicrobatch starts at

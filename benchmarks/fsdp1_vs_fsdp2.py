@@ -1,7 +1,7 @@
 """Our FSDP1 (FULL_SHARD) vs our FSDP2 (and PyTorch's FSDP1 on GPU) on the same model.
 
-    cd /work/main && PYTHONPATH=. python benchmarks/fsdp1_vs_fsdp2.py                 # CPU, 2 ranks
-    cd /work/main && PYTHONPATH=. python benchmarks/fsdp1_vs_fsdp2.py --world-size 4 --steps 8
+    python benchmarks/fsdp1_vs_fsdp2.py                 # CPU, 2 ranks
+    python benchmarks/fsdp1_vs_fsdp2.py --world-size 4 --steps 8
 
 Each transformer block is a unit and the root holds the rest, in every implementation. Per
 implementation, on the same ranks and data: step time (median of the timed steps, slowest

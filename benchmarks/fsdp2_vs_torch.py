@@ -1,6 +1,6 @@
 """fsdp_lab's FSDP2 vs PyTorch's ``torch.distributed.fsdp.fully_shard``, side by side.
 
-    cd /work/main && PYTHONPATH=. python benchmarks/fsdp2_vs_torch.py            # CPU, 2 ranks, gloo
+    python benchmarks/fsdp2_vs_torch.py            # CPU, 2 ranks, gloo
     PYTHONPATH=. python benchmarks/fsdp2_vs_torch.py --world-size 1 --config cpu  # on a GPU: CUDA, world 1
 
 Both implementations train the same Llama (every block and the root sharded, AdamW) in the

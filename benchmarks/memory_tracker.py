@@ -1,6 +1,6 @@
 """MemoryTracker overhead: one training step of the CPU Llama with and without the tracker.
 
-    cd /work/main && PYTHONPATH=. python benchmarks/memory_tracker.py
+    python benchmarks/memory_tracker.py
     PYTHONPATH=. python benchmarks/memory_tracker.py --batch-size 8 --seq-len 128 --steps 10
 
 Steps alternate (plain, tracked, plain, tracked ...) in one process so both see the same
