@@ -70,6 +70,9 @@ class CollectiveHandle:
             work.wait()
         self._finish()
         self._done = True
+        # drop the backend's work objects and the buffers the finishing step held: a handle
+        # kept after wait() must pin neither memory nor process-group resources
+        self._works, self._finish = [], None
         if self._event is not None:
             self._event.close()
 
