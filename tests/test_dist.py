@@ -174,6 +174,7 @@ def test_init_distributed_under_torchrun(tmp_path):
         line = f"rank {rank} of {world_size}: {dist.get_backend()} {current_device()} {t.tolist()}"
         with open(f"rank{rank}.txt", "w") as out:  # a file per rank: stdout lines of two ranks can interleave
             out.write(line)
+        dist.barrier()  # see docs/running.md: no rank tears down while a peer still communicates
         dist.destroy_process_group()
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
