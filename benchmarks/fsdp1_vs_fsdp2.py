@@ -18,7 +18,6 @@ import gc
 import json
 import pathlib
 import statistics
-import time
 
 import torch
 
@@ -47,6 +46,7 @@ def _wrap(kind: str, model):
 def _run(kinds: list[str], steps: int, warmup: int, batch: int, seq: int) -> dict:
     import torch.distributed as dist
 
+    from fsdp_lab.collectives import timed_on_all_ranks
     from fsdp_lab.dist import current_device
     from fsdp_lab.memory.tracker import MemoryTracker
     from fsdp_lab.models.data import global_batch, shard_batch
@@ -69,15 +69,9 @@ def _run(kinds: list[str], steps: int, warmup: int, batch: int, seq: int) -> dic
 
         times = []
         for i in range(warmup + steps):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            loss = step(i)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            seconds, loss = timed_on_all_ranks(lambda: step(i), device)
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(seconds)
         with Timeline() as tl:
             step(warmup + steps)
         comms = tl.comm_events()

@@ -78,14 +78,7 @@ def _all_gather_times(nbytes_per_rank: int, iters: int) -> dict:
     full = torch.empty(shard.numel() * world_size, device=device)
 
     def timed(call) -> float:
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+        return collectives.timed_on_all_ranks(call, device)[0]
 
     # torch 2.13 renamed all_gather_into_tensor to all_gather_single (same collective).
     native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

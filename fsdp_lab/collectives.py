@@ -322,6 +322,22 @@ def bus_bandwidth(op: str, nbytes: int, seconds: float, world_size: int) -> tupl
     return algbw, algbw * _BUS_FACTOR[op](world_size)
 
 
+def timed_on_all_ranks(call: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Run ``call()`` once, started together on every rank, and time it on this rank.
+
+    A barrier lines the ranks up first; on CUDA the device is synchronised before and after,
+    so the time covers the kernels, not just their launch. Returns ``(seconds, call())``.
+    """
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    value = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, value
+
+
 def _bench_rank(ops: list[str], sizes: list[int], warmup: int, iters: int) -> list[dict]:
     from fsdp_lab.dist import current_device
 
@@ -341,15 +357,9 @@ def _bench_rank(ops: list[str], sizes: list[int], warmup: int, iters: int) -> li
             }[op]
             times = []
             for i in range(warmup + iters):
-                dist.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                run()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                seconds, _ = timed_on_all_ranks(run, device)
                 if i >= warmup:
-                    times.append(time.perf_counter() - t0)
+                    times.append(seconds)
             times.sort()
             rows.append({"op": op, "bytes": big.numel() * 4, "time_s": times[len(times) // 2]})
     return rows
