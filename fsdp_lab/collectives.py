@@ -2,9 +2,11 @@
 
 Every collective fsdp_lab runs goes through the four functions below, so that
 
-* the active ``fsdp_lab.timeline.Timeline`` (if any) records one comm event per call
-  (name, bytes, dtype, group size, start, end, lane);
-* ``fsdp_lab.launch`` knows the last collective each rank entered, to explain a hang;
+* the innermost registered recorder (an active ``fsdp_lab.timeline.Timeline`` registers
+  itself with :func:`add_recorder`) gets one comm event per call (name, bytes, dtype, group
+  size, start, end, lane);
+* :func:`last_entered` names the last collective this process entered (each rank of
+  ``fsdp_lab.launch`` copies it where the parent can read it, to explain a hang);
 * backend quirks are handled in one place:
   - gloo cannot take CUDA tensors for these ops: they are staged through host memory
     (event arg ``staged=True``) — this is the "ranks share a GPU" case;
@@ -19,17 +21,31 @@ reduce-scatter the full, gathered/unreduced size; for all-reduce and broadcast t
 
 Each function is synchronous by default; with ``async_op=True`` it returns a
 ``CollectiveHandle`` whose ``wait()`` finishes the work (copy-back, local sum, division).
+
+The instrumentation stays off the critical path: before a collective is issued only a
+counter, a tuple and (when a recorder is registered) its start mark are taken; a synchronous
+collective is recorded with one call once it completes (benchmarks/launch_and_collectives.py
+measures the cost against bare ``torch.distributed``).
+
+Imports point down: this module uses ``fsdp_lab.dist`` and, for :func:`benchmark`,
+``fsdp_lab.launch``; recorders such as the timeline import this module, never the reverse.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-from fsdp_lab import timeline as _timeline
+from fsdp_lab.dist import current_device
+from fsdp_lab.launch import launch
+
+# torch >= 2.13 names them all_gather_single and reduce_scatter_single; older versions only
+# have all_gather_into_tensor and reduce_scatter_tensor (the same collectives).
+_NATIVE_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_NATIVE_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -39,25 +55,64 @@ _REDUCE_OPS = {
     "product": dist.ReduceOp.PRODUCT,
 }
 
-_progress_sink: Callable[[str], None] | None = None
-_count = 0
+_recorders: list["CommRecorder"] = []
+_count = 0  # collectives entered by this process
+_last: tuple | None = None  # (name, count, nbytes, dtype, group size) of the last one entered
 _reducible_checked: dict[tuple[str, torch.dtype], bool] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def set_progress_sink(sink: Callable[[str], None] | None) -> None:
-    """Call ``sink(description)`` just before each collective is entered (None: stop).
+class CommEvent(Protocol):
+    """One collective as a recorder sees it (``fsdp_lab.timeline.CommEvent`` is one)."""
 
-    ``fsdp_lab.launch`` uses it to name, per rank, the last collective entered when a
-    run hangs.
+    def close_on_completion(self, works: list) -> None:
+        """Take the end time from the backend's completion of ``works`` where it can."""
+
+    def close(self) -> None:
+        """End the event now unless its completion already did (called once, at wait())."""
+
+
+class CommRecorder(Protocol):
+    """Something that records collectives (``fsdp_lab.timeline.Timeline`` is one).
+
+    ``start`` is what ``mark()`` returned just before the collective was issued; ``args``
+    describe it (dtype, group_size, staged or impl, and the caller's ``meta``).
     """
-    global _progress_sink
-    _progress_sink = sink
+
+    def mark(self) -> object:
+        """A start mark, taken just before a collective is issued."""
+
+    def record_comm(self, start: object, name: str, nbytes: int, *, lane: str, **args) -> None:
+        """Record a synchronous collective that has just completed (it ends now)."""
+
+    def open_comm(self, start: object, name: str, nbytes: int, *, lane: str, **args) -> CommEvent:
+        """The event of an asynchronous collective just issued; it ends at its completion."""
+
+
+def add_recorder(recorder: CommRecorder) -> None:
+    """Report every collective from now on to ``recorder``; when several are registered,
+    the one added last gets them (recorders nest like ``with`` blocks)."""
+    _recorders.append(recorder)
+
+
+def remove_recorder(recorder: CommRecorder) -> None:
+    """Stop reporting to ``recorder``. Raises ValueError if it was not added."""
+    _recorders.remove(recorder)
+
+
+def last_entered() -> str:
+    """The last collective this process entered, e.g. "all_reduce #2 (16 B float32, group of
+    2)" (the number counts this process's collectives), or "none" before the first."""
+    if _last is None:
+        return "none"
+    name, count, nbytes, dtype, group_size = _last
+    return f"{name} #{count} ({_human_bytes(nbytes)} {_dtype_name(dtype)}, group of {group_size})"
 
 
 class CollectiveHandle:
     """An in-flight collective. ``wait()`` blocks until it is done and returns None."""
 
-    def __init__(self, works: list, finish: Callable[[], None], event: "_timeline.CommEvent | None"):
+    def __init__(self, works: list, finish: Callable[[], None] | None, event: CommEvent | None):
         self._works = works
         self._finish = finish
         self._event = event
@@ -68,7 +123,8 @@ class CollectiveHandle:
             return
         for work in self._works:
             work.wait()
-        self._finish()
+        if self._finish is not None:
+            self._finish()
         self._done = True
         # drop the backend's work objects and the buffers the finishing step held: a handle
         # kept after wait() must pin neither memory nor process-group resources
@@ -79,6 +135,18 @@ class CollectiveHandle:
     def is_completed(self) -> bool:
         """True once ``wait()`` has run (the local post-processing is part of the op)."""
         return self._done
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Give a buffer that served a finished collective its bytes back now, on this thread.
+
+    The backend's work object and a timeline's completion callback keep references to a
+    collective's tensors and drop them on gloo's worker thread, at a moment that depends on the
+    machine's load; memory accounting that waits for the last reference would see the bytes
+    go at a random point. Resizing the storage to 0 frees them here, deterministically. Call it
+    only once the collective has been waited for and nothing reads the buffer any more.
+    """
+    tensor.untyped_storage().resize_(0)
 
 
 def _reduce_op(op) -> dist.ReduceOp:
@@ -101,27 +169,45 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _enter(name: str, nbytes: int, dtype: torch.dtype, group_size: int, lane: str, meta: dict | None = None, **args):
-    """Announce the collective to the progress sink and open its timeline event."""
-    global _count
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def _enter(name: str, nbytes: int, dtype: torch.dtype, group_size: int) -> tuple | None:
+    """Note the collective as entered, just before it is issued. Returns what ``_run`` needs
+    to open its event (the recorder and its start mark), or None when nothing records."""
+    global _count, _last
     _count += 1
-    if _progress_sink is not None:
-        dtype_name = str(dtype).replace("torch.", "")
-        _progress_sink(f"{name} #{_count} ({_human_bytes(nbytes)} {dtype_name}, group of {group_size})")
-    tl = _timeline.active()
-    if tl is None:
+    _last = (name, _count, nbytes, dtype, group_size)
+    if not _recorders:
         return None
-    return tl.open_comm(name, nbytes, dtype=str(dtype).replace("torch.", ""), group_size=group_size, lane=lane,
-                        **args, **(meta or {}))
+    recorder = _recorders[-1]
+    return recorder, recorder.mark(), name, nbytes, dtype, group_size
 
 
-def _run(works: list, finish: Callable[[], None], event, async_op: bool):
-    handle = CollectiveHandle(works, finish, event)
-    if event is not None and async_op:
-        event.close_on_completion(works)
+def _run(works: list, finish: Callable[[], None] | None, entered: tuple | None, async_op: bool,
+         lane: str, meta: dict | None, **args):
+    """Wait for a collective already issued (``works``) and record it (sync), or return its
+    handle with its event open (async). ``entered`` is what ``_enter`` returned."""
     if async_op:
-        return handle
-    handle.wait()
+        event = None
+        if entered is not None:
+            recorder, start, name, nbytes, dtype, group_size = entered
+            event = recorder.open_comm(start, name, nbytes, lane=lane, dtype=_dtype_name(dtype),
+                                       group_size=group_size, **args, **(meta or {}))
+            event.close_on_completion(works)
+        return CollectiveHandle(works, finish, event)
+    for work in works:
+        work.wait()
+    if finish is not None:
+        finish()
+    if entered is not None:
+        recorder, start, name, nbytes, dtype, group_size = entered
+        recorder.record_comm(start, name, nbytes, lane=lane, dtype=_dtype_name(dtype),
+                             group_size=group_size, **args, **(meta or {}))
     return None
 
 
@@ -142,14 +228,13 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
             f"all_gather_into_tensor: output has {output.numel()} elements, expected "
             f"input.numel() * group size = {input.numel()} * {n}"
         )
-    staged = _staging(input, group)
-    event = _enter(name, output.numel() * output.element_size(), input.dtype, n, lane, meta, staged=staged)
-    if staged:
+    entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
+    if _staging(input, group):
         host_out, host_in = output.cpu(), input.cpu()
-        work = _native_all_gather(host_out, host_in, group)
-        return _run([work], lambda: output.copy_(host_out), event, async_op)
-    work = _native_all_gather(output, input, group)
-    return _run([work], lambda: None, event, async_op)
+        work = _NATIVE_ALL_GATHER(host_out, host_in, group=group, async_op=True)
+        return _run([work], lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
+    work = _NATIVE_ALL_GATHER(output, input, group=group, async_op=True)
+    return _run([work], None, entered, async_op, lane, meta, staged=False)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum", group=None,
@@ -173,20 +258,17 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
             f"output.numel() * group size = {output.numel()} * {n}"
         )
     reduce_op = _reduce_op(op)
-    backend = _backend(group)
-    staged = _staging(input, group)
-    if backend != "gloo":
-        event = _enter(name, input.numel() * input.element_size(), input.dtype, n, lane, meta, impl="native")
-        work = _native_reduce_scatter(output, input, reduce_op, group)
-        return _run([work], lambda: None, event, async_op)
+    entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
+    if _backend(group) != "gloo":
+        work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=True)
+        return _run([work], None, entered, async_op, lane, meta, impl="native")
 
-    in_place = input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-    event = _enter(name, input.numel() * input.element_size(), input.dtype, n, lane, meta,
-                   impl="reduce_per_chunk" if in_place else "all_to_all+local_sum", staged=staged)
+    staged = _staging(input, group)
     send = input.detach().reshape(-1)
     send = send.cpu() if staged else send
-    if in_place:
-        return _run(*_reduce_chunks_in_place(output, send, reduce_op, group, n), event, async_op)
+    if input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, n)
+        return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
     received = torch.empty_like(send)
     work = dist.all_to_all_single(received, send, group=group, async_op=True)
 
@@ -194,8 +276,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         chunks = received.view(n, -1)
         result = _local_reduce(chunks, reduce_op, n)
         output.view(-1).copy_(result)
+        release(received)
 
-    return _run([work], finish, event, async_op)
+    return _run([work], finish, entered, async_op, lane, meta, impl="all_to_all+local_sum", staged=staged)
 
 
 def _reduce_chunks_in_place(output, flat, reduce_op, group, n):
@@ -210,18 +293,6 @@ def _reduce_chunks_in_place(output, flat, reduce_op, group, n):
         output.view(-1).copy_(mine.div_(n) if reduce_op == dist.ReduceOp.AVG else mine)
 
     return works, finish
-
-
-def _native_all_gather(output, input, group):
-    # torch >= 2.13 names it all_gather_single; older versions only have all_gather_into_tensor.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=True)
-
-
-def _native_reduce_scatter(output, input, reduce_op, group):
-    # torch >= 2.13 names it reduce_scatter_single; older versions only have reduce_scatter_tensor.
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=reduce_op, group=group, async_op=True)
 
 
 def _local_reduce(chunks: torch.Tensor, reduce_op, n: int) -> torch.Tensor:
@@ -248,7 +319,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     gloo = _backend(group) == "gloo"
     staged = _staging(tensor, group)
     divide = gloo and reduce_op == dist.ReduceOp.AVG
-    event = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n, lane, meta, staged=staged)
+    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
     work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM if divide else reduce_op,
                            group=group, async_op=True)
@@ -259,7 +330,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
         if staged:
             tensor.copy_(work_tensor)
 
-    return _run([work], finish, event, async_op)
+    return _run([work], finish if divide or staged else None, entered, async_op, lane, meta, staged=staged)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = False,
@@ -267,10 +338,11 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = Fa
     """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place."""
     n = dist.get_world_size(group)
     staged = _staging(tensor, group)
-    event = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n, lane, meta, staged=staged)
+    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
     work = dist.broadcast(work_tensor, src=src, group=group, async_op=True)
-    return _run([work], (lambda: tensor.copy_(work_tensor)) if staged else (lambda: None), event, async_op)
+    finish = (lambda: tensor.copy_(work_tensor)) if staged else None
+    return _run([work], finish, entered, async_op, lane, meta, staged=staged)
 
 
 def ensure_reducible(dtype: torch.dtype, group=None) -> None:
@@ -339,8 +411,6 @@ def timed_on_all_ranks(call: Callable[[], object], device: torch.device) -> tupl
 
 
 def _bench_rank(ops: list[str], sizes: list[int], warmup: int, iters: int) -> list[dict]:
-    from fsdp_lab.dist import current_device
-
     n = dist.get_world_size()
     device = current_device()
     rows = []
@@ -374,8 +444,6 @@ def benchmark(op: str | list[str], sizes: list[int], world_size: int = 2, *, bac
     (op, size): op, bytes, world_size, time_s (median over ``iters``, slowest rank),
     algbw_GBps, busbw_GBps (10^9 bytes/s). Raises ValueError for an unknown op.
     """
-    from fsdp_lab.launch import launch
-
     ops = list(_BUS_FACTOR) if op == "all" else ([op] if isinstance(op, str) else list(op))
     for name in ops:
         if name not in _BUS_FACTOR:

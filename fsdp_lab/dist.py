@@ -4,7 +4,8 @@ Three ways a rank comes to life:
 
 * ``fsdp_lab.launch`` starts the ranks itself (see launch.py) and uses
   :func:`choose_backend` and :func:`device_for_rank` from here;
-* ``torchrun`` starts them and :func:`init_distributed` reads its environment;
+* ``torchrun`` starts them, :func:`init_distributed` reads its environment and
+  :func:`exit_distributed` ends each rank (see its docstring for why a plain exit can abort);
 * :func:`simulated_world` makes one process rank ``r`` of ``N`` on torch's fake process
   group, where memory is real and collectives return without exchanging data.
 
@@ -15,11 +16,13 @@ by ``fsdp_lab.collectives`` (see :func:`comm_needs_host_staging`); with no GPU, 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
 import os
-from typing import Iterator
+import sys
+from typing import Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -161,6 +164,35 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
         device_id=device_id,
     )
     return rank, world_size
+
+
+def exit_distributed(code: int = 0) -> NoReturn:
+    """End a torchrun rank: wait for every rank, destroy the process groups, and leave the process
+    at once with exit status ``code`` (after flushing stdout/stderr and running ``atexit``
+    handlers), without Python's interpreter teardown. Call it as the script's last line.
+
+    Why: ``destroy_process_group()`` only forgets the groups. A group something still refers to
+    (a sharded model, DTensor's caches inside torch) lives on, and so do gloo's worker threads.
+    During interpreter teardown such a thread may still free the last tensor of a finished
+    collective (or run a completion callback); taking the GIL then ends the thread inside a C++
+    destructor, and the process aborts with "terminate called without an active exception"
+    (SIGABRT), more often on a loaded machine. Leaving without the teardown, as the ranks of
+    ``fsdp_lab.launch`` do, cannot race. Files you wrote should be closed before (``with``).
+
+    Raises:
+        RuntimeError: called inside ``fsdp_lab.launch``, whose ranks end by themselves when
+            ``fn`` returns (return instead).
+    """
+    if os.environ.get(DEVICE_ENV):
+        raise RuntimeError("exit_distributed() ends a torchrun script; inside fsdp_lab.launch, "
+                           "return from fn instead (launch ends its ranks itself)")
+    if dist.is_initialized() and not is_simulated():
+        dist.barrier()  # no rank tears down its connections while a peer still uses them
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,13 +2,21 @@
 
 How it works, in order:
 
-1. The parent opens a ``TCPStore`` on port 0 (the OS picks a free port, so two launches never
-   race for one) and starts ``world_size`` processes with the spawn start method. ``fn`` and
-   its arguments travel by value (cloudpickle), so a function written in a notebook cell works.
-2. Each rank connects to the store under a prefix unique to this launch, initialises the
-   default process group, runs ``fn`` and sends back its return value serialised with
-   ``torch.save`` (tensors come back on CPU). Its prints travel to the parent line by line.
-3. The parent relays the prints of ``print_ranks``, collects results, and stops every rank as
+1. ``fn`` and its arguments are pickled here (``fsdp_lab.pickling``): the user's own code by
+   value (a function written in a notebook cell or a script works), modules and everything
+   importable by name; the pickled call and the caller's ``sys.path`` and ``sys.argv`` go
+   into a temporary file. The parent opens a ``TCPStore`` on port 0 (the OS picks a free port, so two launches
+   never race for one) for the ranks' rendezvous, under a prefix unique to this launch.
+2. It starts ``world_size`` fresh interpreters, ``python -m fsdp_lab.launch_rank``: they never
+   import the caller's main module, so the caller may be a notebook, ``python -`` or a script
+   without ``if __name__ == "__main__":``, and CUDA initialised here does not matter there.
+   Each rank gets four file descriptors: the call file, a pipe for its messages (prints line
+   by line, its result, its traceback), a shared progress file holding in its slot the last
+   collective it entered, and the read end of a lifeline pipe that tells it when the parent
+   is gone.
+3. Each rank reads the call, initialises the default process group, runs ``fn`` and sends
+   back its return value serialised with ``torch.save`` (tensors come back on CPU).
+4. The parent relays the prints of ``print_ranks``, collects results, and stops every rank as
    soon as one fails, dies or the timeout passes; then it raises :class:`LaunchError` with the
    failing rank's traceback, or :class:`LaunchTimeout` naming the last collective each rank
    entered. No rank outlives ``launch``.
@@ -16,33 +24,37 @@ How it works, in order:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import datetime
 import io
+import json
 import math
-import multiprocessing
+import mmap
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import subprocess
 import sys
-import threading
+import tempfile
 import time
-import traceback
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
 from fsdp_lab import dist as fdist
+from fsdp_lab import pickling
 
-_SLOT_BYTES = 512  # shared-memory bytes per rank holding its last collective's description
+RANK_MODULE = "fsdp_lab.launch_rank"  # what each rank runs (python -m); launch never imports it
+_SLOT_BYTES = 512  # bytes per rank in the progress file: its last collective's description
 _STOP_GRACE_S = 2.0  # seconds between SIGTERM and SIGKILL
 _EXIT_GRACE_S = 10.0  # seconds a rank may take to exit after sending its result
 _TAIL_LINES = 20  # recent output lines kept per rank for crash reports
 _SETTLE_S = 0.3  # seconds to gather the other ranks' failures after the first
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding fsdp_lab/
 
 
 class LaunchError(RuntimeError):
@@ -67,18 +79,22 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
            **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their results by rank.
 
-    ``fn`` and its arguments are sent by value (cloudpickle): ``fn`` may be defined in a
-    notebook cell or in ``__main__``. Every rank has the default process group initialised
-    (``backend``: "auto", "gloo" or "nccl", see :func:`fsdp_lab.dist.choose_backend`), its
-    device chosen (:func:`fsdp_lab.dist.current_device`), RANK/WORLD_SIZE/LOCAL_RANK set, and
-    ``torch.set_num_threads(cpu_count // world_size)``. Return values come back as CPU objects.
-    Prints of the ranks in ``print_ranks`` ("all", None for none) appear in the caller's
-    stdout/stderr, prefixed with "[rank r] " when more than one rank prints.
+    ``fn`` and its arguments are sent by value (cloudpickle), modules by reference: ``fn`` may
+    be defined in a notebook cell, in a script (guarded by ``if __name__ == "__main__":`` or
+    not) or in ``python -``; the ranks never import the caller's main module. Every rank has
+    the default process group initialised (``backend``: "auto", "gloo" or "nccl", see
+    :func:`fsdp_lab.dist.choose_backend`), its device chosen
+    (:func:`fsdp_lab.dist.current_device`), RANK/WORLD_SIZE/LOCAL_RANK set, ``sys.path`` and
+    ``sys.argv`` as the caller's, and ``torch.set_num_threads(cpu_count // world_size)``.
+    Return values come back as CPU objects. Prints of the ranks in ``print_ranks`` ("all",
+    None for none) appear in the caller's stdout/stderr, prefixed with "[rank r] " when more
+    than one rank prints.
 
     ``timeout`` (seconds) bounds the whole launch and every collective inside it.
 
     Raises:
-        TypeError: ``fn`` is not callable, or it or its arguments cannot be pickled.
+        TypeError: ``fn`` is not callable, or it or its arguments cannot be pickled (the
+            message names the global, closure variable or argument, and what to do).
         ValueError: bad ``world_size``, ``backend``, ``timeout`` or ``print_ranks``; NCCL
             asked for with fewer GPUs than ranks. Raised before any process starts.
         LaunchError: a rank raised (message names the rank and carries its traceback) or
@@ -92,40 +108,66 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     printing = _printing_ranks(print_ranks, world_size)
-    try:
-        payload = cloudpickle.dumps((fn, args, kwargs))
-    except Exception as exc:
-        raise TypeError(f"launch() sends fn and its arguments to every rank by value, but they "
-                        f"could not be pickled: {exc}") from exc
+    call = pickling.dumps_call(fn, args, kwargs)
 
-    ctx = multiprocessing.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     prefix = f"fsdp_lab/launch/{uuid.uuid4().hex}"
-    ranks, deadline = [], time.monotonic() + timeout
+    ranks: list[_Rank] = []
+    deadline = time.monotonic() + timeout
+    with tempfile.TemporaryFile() as call_file, tempfile.TemporaryFile() as progress:
+        caller = (sys.path, sys.argv, call)
+        call_bytes = call_file.write(pickle.dumps(caller, protocol=pickle.HIGHEST_PROTOCOL))
+        call_file.flush()
+        progress.truncate(_SLOT_BYTES * world_size)
+        slots = mmap.mmap(progress.fileno(), _SLOT_BYTES * world_size)
+        lifeline_read, lifeline_write = os.pipe()  # only this process ever holds the write end
+        try:
+            for r in range(world_size):
+                ranks.append(_start_rank(
+                    dict(rank=r, world_size=world_size, backend=backend,
+                         device=str(fdist.device_for_rank(r, backend)), port=store.port,
+                         prefix=prefix, timeout=float(timeout), call_fd=call_file.fileno(),
+                         call_bytes=call_bytes, slot_fd=progress.fileno(), slot_bytes=_SLOT_BYTES,
+                         lifeline_fd=lifeline_read), slots))
+            os.close(lifeline_read)
+            lifeline_read = None
+            return _collect(ranks, printing, deadline, timeout)
+        finally:
+            _stop(ranks)
+            for fd in (lifeline_read, lifeline_write):
+                if fd is not None:
+                    os.close(fd)
+            slots.close()
+
+
+def _start_rank(spec: dict, slots: mmap.mmap) -> "_Rank":
+    """Start ``python -m fsdp_lab.launch_rank`` for one rank, passing it its file descriptors."""
+    read_fd, write_fd = os.pipe()
+    spec["msg_fd"] = write_fd
+    env = dict(os.environ)
+    # The rank must import this same fsdp_lab before it can read the caller's sys.path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     try:
-        for r in range(world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            slot = ctx.Array("c", _SLOT_BYTES, lock=False)
-            device = str(fdist.device_for_rank(r, backend))
-            process = ctx.Process(
-                target=_run_rank, name=f"fsdp_lab-rank{r}",
-                args=(r, world_size, backend, device, store.port, prefix, float(timeout),
-                      payload, writer, slot),
-            )
-            ranks.append(_Rank(r, process, reader, slot))
-            process.start()
-            writer.close()  # the child holds the only write end: its exit shows up as EOF
-        return _collect(ranks, printing, deadline, timeout)
+        process = subprocess.Popen(
+            [sys.executable, "-m", RANK_MODULE, json.dumps(spec)], env=env,
+            stdin=subprocess.DEVNULL,  # a rank waiting for input would hang: it reads EOF
+            pass_fds=(write_fd, spec["call_fd"], spec["slot_fd"], spec["lifeline_fd"]),
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
     finally:
-        _stop(ranks)
+        os.close(write_fd)  # the child holds the only write end: its exit shows up as EOF
+    conn = multiprocessing.connection.Connection(read_fd, writable=False)
+    return _Rank(spec["rank"], process, conn, slots)
 
 
 class _Rank:
-    """The parent's view of one child: its process, pipe, progress slot and what it sent."""
+    """The parent's view of one child: its process, message pipe, progress slot and what it sent."""
 
-    def __init__(self, rank, process, conn, slot):
-        self.rank, self.process, self.conn, self.slot = rank, process, conn, slot
+    def __init__(self, rank: int, process: subprocess.Popen, conn, slots: mmap.mmap):
+        self.rank, self.process, self.conn, self._slots = rank, process, conn, slots
         self.result: bytes | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
 
@@ -135,7 +177,9 @@ class _Rank:
         return f"\n--- last output of rank {self.rank} ---\n{lines}" if lines else ""
 
     def last_collective(self) -> str:
-        return self.slot.value.decode("utf-8", "replace") or "none"
+        """What the rank wrote into its progress slot: the last collective it entered."""
+        slot = self._slots[self.rank * _SLOT_BYTES:(self.rank + 1) * _SLOT_BYTES]
+        return slot.split(b"\0", 1)[0].decode("utf-8", "replace") or "none"
 
 
 def _collect(ranks: list[_Rank], printing: set[int], deadline: float, timeout: float) -> list:
@@ -154,7 +198,7 @@ def _collect(ranks: list[_Rank], printing: set[int], deadline: float, timeout: f
                 failures += _poll(ranks, waiting, printing, settle - time.monotonic())
             raise _failure(failures)
     for rank in ranks:  # let ranks finish tearing down before the finally stops stragglers
-        rank.process.join(timeout=max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
+        _wait(rank.process, max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
     return [torch.load(io.BytesIO(rank.result), map_location="cpu", weights_only=False)
             for rank in ranks]
 
@@ -162,17 +206,16 @@ def _collect(ranks: list[_Rank], printing: set[int], deadline: float, timeout: f
 def _poll(ranks: list[_Rank], waiting: set[int], printing: set[int], timeout: float) -> list:
     """Wait up to ``timeout`` s for messages or exits of the ``waiting`` ranks and handle them.
     Ranks that sent a result, raised or died leave ``waiting``. Returns (time, LaunchError)s."""
-    handles = {}
-    for r in waiting:
-        handles[ranks[r].process.sentinel] = r
-        if ranks[r].conn is not None:
-            handles[ranks[r].conn] = r
+    handles = {ranks[r].conn: r for r in waiting if ranks[r].conn is not None}
     ready = multiprocessing.connection.wait(list(handles), timeout=max(0.0, timeout))
+    # A rank's death closes its pipe (EOF makes it ready); poll() also catches a rank whose
+    # pipe stays open because a process it started inherited it.
+    exited_now = {r for r in waiting if ranks[r].process.poll() is not None}
     failures = []
-    for r in sorted({handles[h] for h in ready}):
+    for r in sorted({handles[h] for h in ready} | exited_now):
         rank = ranks[r]
         errors = _drain(rank, printing, prefixed=len(printing) > 1)
-        exited = rank.conn is None or rank.process.exitcode is not None
+        exited = rank.conn is None or rank.process.poll() is not None
         if not errors and rank.result is None and exited:
             # A silent death is a cause, never an echo of another rank's error: sort it first.
             errors = [(0.0, _death_error(rank))]
@@ -228,8 +271,7 @@ def _relay(text: str, stream: str, prefix: str) -> None:
 
 
 def _death_error(rank: _Rank) -> LaunchError:
-    rank.process.join(timeout=_STOP_GRACE_S)
-    code = rank.process.exitcode
+    code = _wait(rank.process, _STOP_GRACE_S)
     if code is not None and code < 0:
         how = f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
     else:
@@ -254,19 +296,26 @@ def _stop(ranks: list[_Rank]) -> None:
     """Stop every child still running (SIGTERM, then SIGKILL after a grace) and reap them all.
     Safe to call more than once."""
     for rank in ranks:
-        if rank.process.is_alive():
+        if rank.process.poll() is None:
             rank.process.terminate()
     deadline = time.monotonic() + _STOP_GRACE_S
     for rank in ranks:
-        if rank.process.pid is not None:
-            rank.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _wait(rank.process, max(0.0, deadline - time.monotonic()))
     for rank in ranks:
-        if rank.process.is_alive():
+        if rank.process.poll() is None:
             rank.process.kill()
-            rank.process.join()
+            rank.process.wait()
         if rank.conn is not None:
             rank.conn.close()
             rank.conn = None
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> int | None:
+    """The exit code of ``process`` once it ends within ``timeout`` seconds, else None."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _printing_ranks(print_ranks, world_size: int) -> set[int]:
@@ -278,125 +327,3 @@ def _printing_ranks(print_ranks, world_size: int) -> set[int]:
         raise ValueError(f"print_ranks must be ranks in [0, {world_size}), 'all' or None; "
                          f"got {bad}")
     return ranks
-
-
-# ---------------------------------------------------------------------------- child side
-
-
-class _LineWriter(io.TextIOBase):
-    """Stands in for sys.stdout/sys.stderr in a rank: sends whole lines to the parent."""
-
-    def __init__(self, send: Callable[[tuple], None], stream: str):
-        self._send, self._stream, self._partial = send, stream, ""
-
-    encoding = "utf-8"
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        if not isinstance(text, str):
-            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        complete, newline, partial = (self._partial + text).rpartition("\n")
-        self._partial = partial
-        if newline:
-            self._send(("out", self._stream, complete + newline))
-        return len(text)
-
-    def flush(self) -> None:
-        if self._partial:
-            text, self._partial = self._partial, ""
-            self._send(("out", self._stream, text))
-
-
-def _run_rank(rank, world_size, backend, device, port, prefix, timeout, payload, conn, slot):
-    """Entry point of each child process (the spawn target)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    _exit_with_parent()
-    lock = threading.Lock()
-
-    def send(message):
-        with lock:
-            conn.send(message)
-
-    sys.stdout, sys.stderr = _LineWriter(send, "stdout"), _LineWriter(send, "stderr")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    os.environ[fdist.DEVICE_ENV] = device
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    try:
-        _install_progress_sink(slot)
-        fn, args, kwargs = cloudpickle.loads(payload)
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
-        pg_timeout = datetime.timedelta(seconds=timeout)
-        store = dist.PrefixStore(prefix, dist.TCPStore("127.0.0.1", port, None, is_master=False,
-                                                       timeout=pg_timeout))
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout,
-            device_id=torch.device(device) if backend == "nccl" else None,
-        )
-        # Wait until every rank is through init: a rank that finished fn and exited while a
-        # peer was still connecting would make that peer's init fail ("closed by peer").
-        store.set(f"initialised/{rank}", "1")
-        store.wait([f"initialised/{r}" for r in range(world_size)])
-        blob = _serialise(fn(*args, **kwargs))
-    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            frames = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop our frame
-            tb = "".join(traceback.format_exception(type(exc), exc, frames))
-            summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            send(("error", time.time(), summary, tb))
-        finally:
-            os._exit(1)  # no teardown: peers may still be blocked in collectives with us
-    sys.stdout.flush()
-    sys.stderr.flush()
-    send(("result", blob))
-    dist.destroy_process_group()
-    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    conn.close()
-    # Interpreter teardown with torch loaded takes ~0.5 s, longer than the rest of a short
-    # launch: run the exit handlers (what users registered with atexit) and leave at once.
-    atexit._run_exitfuncs()
-    os._exit(0)
-
-
-def _serialise(result: Any) -> bytes:
-    """``result`` as bytes. torch.save copies CUDA storages to host memory and the parent loads
-    with map_location="cpu", so tensors anywhere in ``result`` (lists, dicts, dataclasses...)
-    come back on CPU without the parent touching CUDA. cloudpickle lets classes defined in a
-    notebook cell come back as themselves."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(result, buffer, pickle_module=cloudpickle)
-    except Exception as exc:
-        raise TypeError(
-            f"the return value ({type(result).__name__}) could not be sent back: {exc}. "
-            "Return tensors, numbers, strings or containers of them (DTensor: .full_tensor())."
-        ) from exc
-    return buffer.getvalue()
-
-
-def _install_progress_sink(slot) -> None:
-    """Make fsdp_lab.collectives write each collective's description into our shared slot."""
-    from fsdp_lab.collectives import set_progress_sink
-
-    def sink(description: str) -> None:
-        slot.value = description.encode("utf-8", "replace")[: _SLOT_BYTES - 1]
-
-    set_progress_sink(sink)
-
-
-def _exit_with_parent() -> None:
-    """End this rank if the parent dies (e.g. the notebook kernel is killed)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch():
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="fsdp_lab-parent-watch", daemon=True).start()

@@ -18,7 +18,8 @@ after its output's own autograd node.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fsdp_lab.passthrough import call_after_input_grads
 from fsdp_lab.precision import tensors_in
 
 __all__ = ["attach_units"]
@@ -53,16 +54,11 @@ def _time_unit(tl, name, module, outer) -> list:
 
     def pre_forward(_m, args, kwargs):
         state["fwd"] = tl._clock.mark()
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        state["inputs"] = bool(positions)
-        if positions and torch.is_grad_enabled():
+        state["inputs"] = False
+        if torch.is_grad_enabled():
             # an identity whose backward runs as soon as the unit's input gradients exist,
             # before any hook other code put on those inputs
-            marked = _EndOfBackward.apply(close_backward, *(flat[i] for i in positions))
-            for i, tensor in zip(positions, marked):
-                flat[i] = tensor
-            return tree_unflatten(flat, spec)
+            args, kwargs, state["inputs"] = call_after_input_grads(close_backward, args, kwargs)
         return args, kwargs
 
     def post_forward(_m, _args, _kwargs, output):
@@ -89,15 +85,3 @@ def _time_unit(tl, name, module, outer) -> list:
     return [module.register_forward_pre_hook(pre_forward, with_kwargs=True),
             module.register_forward_hook(post_forward, with_kwargs=True),
             outer.register_forward_hook(outer_post_forward, with_kwargs=True)]
-
-
-class _EndOfBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)

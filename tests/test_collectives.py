@@ -14,13 +14,13 @@ def _collective_checks():
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    seen = []
-    collectives.set_progress_sink(seen.append)
+    seen = [collectives.last_entered()]
     out = {}
     with Timeline() as tl:
         x = torch.arange(K, dtype=torch.float32) + 100 * rank
         gathered = torch.empty(K * n)
         collectives.all_gather_into_tensor(gathered, x)
+        seen.append(collectives.last_entered())
         out["all_gather"] = gathered
 
         full = torch.arange(K * n, dtype=torch.float32) * (rank + 1)
@@ -36,6 +36,7 @@ def _collective_checks():
 
         bf = torch.empty(K, dtype=torch.bfloat16)
         collectives.reduce_scatter_tensor(bf, full.to(torch.bfloat16))
+        seen.append(collectives.last_entered())
         out["reduce_scatter_bf16"] = bf
 
         for op in ("sum", "avg", "max"):
@@ -51,14 +52,54 @@ def _collective_checks():
         collectives.all_gather_into_tensor(torch.empty(K * n + 1), x)
     except ValueError as e:
         out["size_error"] = str(e)
-    collectives.set_progress_sink(None)
+    seen.append(collectives.last_entered())
     for op in ("sum", "avg"):  # in place on gloo: the input is scratch and no receive buffer is made
         shard, scratch = torch.empty(K), full.clone()
         collectives.reduce_scatter_tensor(shard, scratch, op=op, async_op=True, input_is_scratch=True).wait()
         out[f"reduce_scatter_scratch_{op}"] = shard
     out["events"] = [(e.name, e.bytes, e.args.get("impl"), e.args.get("dtype")) for e in tl.comm_events()]
     out["seen"] = seen
+    out["recorded"] = _nested_recorders()
     return out
+
+
+class _ListRecorder:
+    """The smallest recorder: any object with mark(), record_comm() and open_comm()."""
+
+    def __init__(self):
+        self.events = []
+
+    def mark(self):
+        return "start"
+
+    def record_comm(self, start, name, nbytes, *, lane, **args):
+        self.events.append((start, name, nbytes, lane, args["group_size"], args["module"]))
+
+    def open_comm(self, start, name, nbytes, *, lane, **args):
+        recorder = self
+
+        class Event:
+            def close_on_completion(self, works):
+                pass
+
+            def close(self):
+                recorder.events.append((start, name, nbytes, lane, args["group_size"], args["module"]))
+
+        return Event()
+
+
+def _nested_recorders():
+    outer, inner = _ListRecorder(), _ListRecorder()
+    t = torch.ones(2)
+    collectives.add_recorder(outer)
+    collectives.all_reduce(t, meta={"module": "a"})
+    collectives.add_recorder(inner)
+    collectives.all_reduce(t, meta={"module": "b"}, lane="grads")
+    collectives.remove_recorder(inner)
+    collectives.all_reduce(t, meta={"module": "c"}, async_op=True).wait()
+    collectives.remove_recorder(outer)
+    collectives.all_reduce(t, meta={"module": "d"})  # nobody records this one
+    return outer.events, inner.events
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -119,12 +160,19 @@ def test_timeline_events_count_bytes_like_nccl_tests(results):
     assert events[-1][1] == 4 * 4
 
 
-def test_progress_sink_names_each_collective(results):
+def test_last_entered_names_and_counts_each_collective(results):
     n, per_rank = results
-    seen = per_rank[0]["seen"]
-    assert len(seen) == 11
-    assert seen[0].startswith("all_gather #") and f"group of {n}" in seen[0]
-    assert "float32" in seen[0] and "reduce_scatter" in seen[1]
+    for out in per_rank:  # the hang report of fsdp_lab.launch shows these strings
+        assert out["seen"] == ["none", f"all_gather #1 ({K * n * 4} B float32, group of {n})",
+                               f"reduce_scatter #7 ({K * n * 2} B bfloat16, group of {n})",
+                               f"broadcast #11 (16 B float32, group of {n})"]
+
+
+def test_the_innermost_recorder_gets_each_event(results):
+    n, per_rank = results
+    outer, inner = per_rank[0]["recorded"]
+    assert outer == [("start", "all_reduce", 8, "comm", n, "a"), ("start", "all_reduce", 8, "comm", n, "c")]
+    assert inner == [("start", "all_reduce", 8, "grads", n, "b")]
 
 
 def test_bus_bandwidth_matches_nccl_tests_formulas():

@@ -195,3 +195,26 @@ def test_init_distributed_under_torchrun(tmp_path):
 def test_package_exports():
     assert fsdp_lab.simulated_world is simulated_world
     assert fsdp_lab.init_distributed is init_distributed
+
+
+def test_exit_distributed_flushes_runs_atexit_and_exits_with_the_code():
+    code = textwrap.dedent("""
+        import atexit
+        import fsdp_lab
+        atexit.register(print, "atexit ran")
+        print("unflushed", end="")
+        fsdp_lab.exit_distributed(3)
+        print("never printed")
+    """)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop(fdist.DEVICE_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=REPO)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "unflushedatexit ran\n"
+
+
+def test_exit_distributed_inside_launch_says_to_return_instead(monkeypatch):
+    monkeypatch.setenv(fdist.DEVICE_ENV, "cpu")  # what launch sets in each rank
+    with pytest.raises(RuntimeError, match="return from fn instead"):
+        fdist.exit_distributed()

@@ -60,6 +60,7 @@ def _report(tag):
         "world_size": dist.get_world_size(),
         "init_distributed": init_distributed(),  # keeps the existing group
         "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+        "argv": sys.argv,
         "sum": t,
         "nested": [(t * 2, {"deep": t + 1})],
         "backend": dist.get_backend(),
@@ -90,6 +91,7 @@ def test_results_are_indexed_by_rank(runs):
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["world_size"] == 2 for r in results)
     assert [r["init_distributed"] for r in results] == [(0, 2), (1, 2)]
+    assert all(r["argv"] == sys.argv for r in results)  # the caller's, as under spawn
     assert [r["env"] for r in results] == [
         {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
         {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"},
@@ -174,6 +176,150 @@ def test_function_defined_in_main_is_sent_by_value():
         "0 [(0, [13.0, 13.0]), (1, [13.0, 13.0])]",
         "1 [(0, [13.0, 13.0]), (1, [13.0, 13.0])]",
     ]
+
+
+# ------------------------------------------------------------------ any caller, any function
+# A notebook cell's functions live in a __main__ that no other process can import, so they
+# travel by value; exec'ing a cell's code in a namespace named "__main__" reproduces that.
+
+NOTEBOOK_CELL = """
+import threading
+import types
+import torch
+
+offset = 10.0                            # notebook globals the function closes over
+triple = lambda x: x * 3.0
+settings = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=32))
+
+def closure_over_notebook_globals():
+    return triple(torch.ones(2) * (torch.distributed.get_rank() + 1)) + offset
+
+def reads_a_config_attribute():
+    # `torch` + `.distributed` + `.config` spells torch.distributed.config, a torch config
+    # module (ConfigModuleInstance) that cloudpickle then tries to send by value.
+    return settings.config.hidden_size * torch.distributed.get_world_size()
+
+def both():
+    return closure_over_notebook_globals(), reads_a_config_attribute()
+
+lock = threading.Lock()
+
+def uses_a_lock():
+    with lock:
+        return torch.distributed.get_rank()
+
+def calls_a_helper_using_a_lock():
+    return uses_a_lock()
+"""
+
+
+def _notebook_cell(code: str) -> dict:
+    namespace = {"__name__": "__main__"}
+    exec(compile(code, "<notebook cell>", "exec"), namespace)
+    return namespace
+
+
+def test_torch_config_modules_break_plain_cloudpickle():
+    # The mechanism the next test depends on: fails with cloudpickle alone, whatever is installed.
+    import cloudpickle
+
+    cell = _notebook_cell(NOTEBOOK_CELL)
+    assert type(sys.modules["torch.distributed.config"]).__name__ == "ConfigModuleInstance"
+    with pytest.raises(TypeError, match="cannot pickle 'ConfigModuleInstance' object"):
+        cloudpickle.dumps(cell["reads_a_config_attribute"])
+
+
+def test_notebook_function_reading_a_config_and_closing_over_globals_runs():
+    cell = _notebook_cell(NOTEBOOK_CELL)
+    results = launch(cell["both"], world_size=2, timeout=120)
+    for rank, (closed, config) in enumerate(results):
+        assert torch.equal(closed, torch.full((2,), 3.0 * (rank + 1) + 10.0))
+        assert config == 32 * 2
+
+
+HF_CELL = """
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
+def hf_loss():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.arange(16).view(2, 8) % model.config.vocab_size
+    loss = model(ids, labels=ids).loss.detach()
+    if dist.is_initialized():                    # the same cell runs in one process too
+        dist.all_reduce(loss)
+        loss /= torch.distributed.get_world_size()
+    return loss, model.config.hidden_size
+"""
+
+
+def test_hugging_face_model_built_from_a_notebook_config_runs():
+    pytest.importorskip("transformers")
+    cell = _notebook_cell(HF_CELL)
+    reference_loss, hidden = cell["hf_loss"]()  # the same cell, one process
+    results = launch(cell["hf_loss"], world_size=2, timeout=240)
+    for loss, size in results:
+        assert size == hidden == 32
+        assert torch.allclose(loss, reference_loss, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn, args, expected", [
+    ("uses_a_lock", (), "global 'lock' used by uses_a_lock() (a _thread.lock)"),
+    ("calls_a_helper_using_a_lock", (), "global 'lock' used by uses_a_lock() (a _thread.lock)"),
+    ("closure_over_notebook_globals", ("LOCK",), "argument 0 (a _thread.lock)"),
+])
+def test_unpicklable_call_names_the_culprit_and_the_fix(fn, args, expected):
+    import multiprocessing
+
+    cell = _notebook_cell(NOTEBOOK_CELL)
+    args = tuple(cell["lock"] if a == "LOCK" else a for a in args)
+    before = multiprocessing.active_children()
+    with pytest.raises(TypeError) as info:
+        launch(cell[fn], *args, world_size=2, timeout=60)
+    message = str(info.value)
+    assert expected in message, message
+    assert "cannot pickle '_thread.lock' object" in message
+    assert "Create it inside fn" in message and "importable module" in message
+    assert multiprocessing.active_children() == before
+
+
+def _sum_and_rank(t):
+    return float(t.sum()), dist.get_rank()
+
+
+def test_arguments_bigger_than_a_store_value_travel():
+    big = torch.ones(3 * 2**20)  # 12 MiB: more than a TCPStore value may hold (8 MiB)
+    assert launch(_sum_and_rank, big, world_size=1, timeout=120) == [(3.0 * 2**20, 0)]
+
+
+UNGUARDED_SCRIPT = """
+import torch.distributed as dist
+import fsdp_lab
+
+print("script body ran")
+
+def where():
+    return dist.get_rank() * 10
+
+print("results", fsdp_lab.launch(where, world_size=2, timeout=120))
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_unguarded_script_and_stdin_callers_run_their_body_once(tmp_path, how):
+    # Ranks never import the caller's __main__: no `if __name__ == "__main__":` needed.
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    command = [sys.executable, str(script)] if how == "script" else [sys.executable, "-"]
+    proc = subprocess.run(command, input=None if how == "script" else UNGUARDED_SCRIPT,
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["script body ran", "results [0, 10]"]
 
 
 # ------------------------------------------------------------------ failures (one launch each)

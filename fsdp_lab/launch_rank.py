@@ -1,0 +1,177 @@
+"""One rank of ``fsdp_lab.launch``: ``python -m fsdp_lab.launch_rank SPEC`` (started by launch).
+
+A fresh interpreter that imports only what the rank function needs: never the caller's main
+module, so the caller may be a notebook, ``python -`` or a script without a
+``__main__`` guard. In order:
+
+1. start a watcher thread: it ends this rank if the parent dies (even by SIGKILL), and every
+   0.1 s copies ``fsdp_lab.collectives.last_entered()`` into this rank's slot of the shared
+   progress file, which the parent reads to explain a hang (nothing is added to the
+   collectives' own path); send prints to the parent line by line through the message pipe;
+2. set the rank's environment (RANK, WORLD_SIZE, LOCAL_RANK, its device, its threads);
+3. read the caller's ``sys.path``, ``sys.argv`` and the pickled call from the call file,
+   unpickle (modules are imported by name here), initialise the default process group on
+   the launch's TCPStore;
+4. run ``fn`` and send back its result (or its traceback), then leave at once.
+
+SPEC is JSON: rank, world_size, backend, device, port, prefix, timeout (s), call_bytes and
+slot_bytes (sizes), and the file descriptors the parent passed: call_fd (the call file),
+msg_fd (write end of the message pipe), slot_fd (the progress file), lifeline_fd (read end of
+a pipe whose write end only the parent holds).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import io
+import json
+import mmap
+import multiprocessing.connection
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdp_lab import collectives, pickling
+from fsdp_lab import dist as fdist
+
+_PROGRESS_PERIOD_S = 0.1  # how often the watcher copies the last collective into the slot
+
+
+class _LineWriter(io.TextIOBase):
+    """Stands in for sys.stdout/sys.stderr in a rank: sends whole lines to the parent."""
+
+    def __init__(self, send: Callable[[tuple], None], stream: str):
+        self._send, self._stream, self._partial = send, stream, ""
+
+    encoding = "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        complete, newline, partial = (self._partial + text).rpartition("\n")
+        self._partial = partial
+        if newline:
+            self._send(("out", self._stream, complete + newline))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            text, self._partial = self._partial, ""
+            self._send(("out", self._stream, text))
+
+
+def main(spec: dict) -> None:
+    """Run one rank as ``spec`` says (see the module docstring); never returns."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    rank, world_size, backend, device = spec["rank"], spec["world_size"], spec["backend"], spec["device"]
+    _start_watcher(spec["lifeline_fd"], spec["slot_fd"], spec["slot_bytes"], rank, world_size)
+    conn = multiprocessing.connection.Connection(spec["msg_fd"], readable=False)
+    lock = threading.Lock()
+
+    def send(message):
+        with lock:
+            conn.send(message)
+
+    sys.stdout, sys.stderr = _LineWriter(send, "stdout"), _LineWriter(send, "stderr")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ[fdist.DEVICE_ENV] = device
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        with mmap.mmap(spec["call_fd"], spec["call_bytes"], access=mmap.ACCESS_READ) as call_file:
+            caller_path, caller_argv, call = pickle.loads(call_file)
+        sys.path[:], sys.argv[:] = caller_path, caller_argv
+        fn, args, kwargs = pickling.loads(call)
+        del call
+        timeout = datetime.timedelta(seconds=spec["timeout"])
+        store = dist.PrefixStore(spec["prefix"], dist.TCPStore(
+            "127.0.0.1", spec["port"], None, is_master=False, timeout=timeout))
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+            device_id=torch.device(device) if backend == "nccl" else None,
+        )
+        # Wait until every rank is through init: a rank that finished fn and exited while a
+        # peer was still connecting would make that peer's init fail ("closed by peer").
+        store.set(f"initialised/{rank}", "1")
+        store.wait([f"initialised/{r}" for r in range(world_size)])
+        blob = _serialise(fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            frames = exc.__traceback__.tb_next if exc.__traceback__ else None  # drop our frame
+            tb = "".join(traceback.format_exception(type(exc), exc, frames))
+            summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            send(("error", time.time(), summary, tb))
+        finally:
+            os._exit(1)  # no teardown: peers may still be blocked in collectives with us
+    sys.stdout.flush()
+    sys.stderr.flush()
+    send(("result", blob))
+    if dist.is_initialized():  # fn may have destroyed it already
+        dist.destroy_process_group()
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    conn.close()
+    # No interpreter teardown: gloo's threads outlive destroy_process_group() whenever something
+    # still holds the group, and one touching Python during teardown aborts the process (see
+    # fsdp_lab.dist.exit_distributed). Teardown would also take ~0.5 s, longer than the rest of
+    # a short launch. Run the exit handlers (what users registered with atexit) and leave.
+    atexit._run_exitfuncs()
+    os._exit(0)
+
+
+def _serialise(result: Any) -> bytes:
+    """``result`` as bytes. torch.save copies CUDA storages to host memory and the parent loads
+    with map_location="cpu", so tensors anywhere in ``result`` (lists, dicts, dataclasses...)
+    come back on CPU without the parent touching CUDA. Classes defined in the caller's notebook
+    or script come back as themselves (cloudpickle tracks the classes it sent)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(result, buffer, pickle_module=pickling)
+    except Exception as exc:
+        raise TypeError(
+            f"the return value ({type(result).__name__}) could not be sent back: {exc}. "
+            "Return tensors, numbers, strings or containers of them (DTensor: .full_tensor())."
+        ) from exc
+    return buffer.getvalue()
+
+
+def _start_watcher(lifeline_fd: int, slot_fd: int, slot_bytes: int, rank: int, world_size: int) -> None:
+    """One daemon thread that ends this rank when the parent dies (the parent holds the only
+    write end of the lifeline pipe, so a read returns b"" once it is gone) and keeps this
+    rank's progress slot showing the last collective entered."""
+    slots = mmap.mmap(slot_fd, slot_bytes * world_size)
+    start = rank * slot_bytes
+
+    def watch():
+        written = None
+        while True:
+            readable, _, _ = select.select([lifeline_fd], [], [], _PROGRESS_PERIOD_S)
+            if readable and not os.read(lifeline_fd, 1):
+                os._exit(1)
+            entered = collectives.last_entered()
+            if entered != written:
+                data = entered.encode("utf-8", "replace")[: slot_bytes - 1]
+                slots[start:start + slot_bytes] = data.ljust(slot_bytes, b"\0")
+                written = entered
+
+    threading.Thread(target=watch, name="fsdp_lab-rank-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
