@@ -27,7 +27,7 @@ def _measure(mode: str, steps: int, batch: int, seq: int) -> dict:
 
     from fsdp_lab.dist import current_device
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, MixedPrecision
-    from fsdp_lab.fsdp1.flat_grad import GradBufferPeak
+    from fsdp_lab.memory.buffer_peak import GradBufferPeak
     from fsdp_lab.memory.tracker import MemoryTracker
     from fsdp_lab.models.data import global_batch, shard_batch
     from fsdp_lab.models.llama import Llama

@@ -30,6 +30,7 @@ For a float32 model these defaults change nothing.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -78,6 +79,31 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype", *_MAIN_FIELDS):
             check_float_dtype(field, getattr(self, field))
+
+    @classmethod
+    def coerce(cls, policy: Any) -> "MixedPrecisionPolicy":
+        """``policy`` as this class: itself, or PyTorch's ``torch.distributed.fsdp.MixedPrecisionPolicy``
+        converted field by field.
+
+        PyTorch's policy has four of this class's fields; the converted one keeps PyTorch's
+        behaviour for the rest (``main_params_dtype=None``: master weights stay in the model's
+        dtype; ``main_grads_dtype=None``: gradients accumulate as PyTorch does). Raises
+        TypeError for anything else, naming the class to import.
+        """
+        if isinstance(policy, cls):
+            return policy
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        except ImportError:  # pragma: no cover - torch builds without distributed
+            TorchPolicy = None
+        if TorchPolicy is not None and isinstance(policy, TorchPolicy):
+            return cls(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                       output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs,
+                       main_params_dtype=None, main_grads_dtype=None)
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy (fsdp_lab.fsdp2.MixedPrecisionPolicy, or PyTorch's "
+            f"torch.distributed.fsdp.MixedPrecisionPolicy), got {type(policy).__module__}.{type(policy).__name__}; "
+            f"for FSDP1 use fsdp_lab.precision.MixedPrecision instead")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,20 +177,31 @@ def grad_comm_dtype(policy: Any, orig_dtype: torch.dtype) -> torch.dtype:
 
 
 def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
-    """Cast every floating tensor in a nested list/tuple/dict to ``dtype`` (None: unchanged)."""
+    """Cast every floating tensor in nested containers to ``dtype`` (None: unchanged).
+
+    Containers keep their own class, as in PyTorch's ``_apply_to_tensors``: dataclasses
+    (Hugging Face's ``ModelOutput`` is one, and a dict) are rebuilt with
+    ``dataclasses.replace``, namedtuples with their fields, dict subclasses (OrderedDict,
+    defaultdict) as a copy of themselves, lists and tuples as their own type.
+    """
     if dtype is None:
         return tree
     if isinstance(tree, torch.Tensor):
         return tree.to(dtype) if tree.is_floating_point() and tree.dtype != dtype else tree
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {f.name: cast_floating(getattr(tree, f.name), dtype)
+                   for f in dataclasses.fields(tree) if f.init}
+        return dataclasses.replace(tree, **changes)
     if isinstance(tree, (list, tuple)):
         cast = [cast_floating(x, dtype) for x in tree]
         return type(tree)(*cast) if hasattr(tree, "_fields") else type(tree)(cast)
     if isinstance(tree, dict):
-        return {k: cast_floating(v, dtype) for k, v in tree.items()}
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        return dataclasses.replace(
-            tree, **{f.name: cast_floating(getattr(tree, f.name), dtype) for f in dataclasses.fields(tree)}
-        )
+        if type(tree) is dict:
+            return {k: cast_floating(v, dtype) for k, v in tree.items()}
+        out = copy.copy(tree)  # keeps the subclass and its state (a defaultdict's factory)
+        for k, v in tree.items():
+            out[k] = cast_floating(v, dtype)
+        return out
     return tree
 
 

@@ -7,7 +7,6 @@ single-process tests of the pure pieces (shard boundaries worked by hand, wrap p
 from __future__ import annotations
 
 import functools
-import gc
 import time
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_lab.states import ShardedState
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, TransformerBlock
 
@@ -105,7 +105,42 @@ def summon_checks() -> dict:
         dict(model.named_parameters())["layers.0.attention_norm.weight"].data.add_(1.0)
     changed = model.state_dict()["layers.0.attention_norm.weight"]
     return {"summon_shapes": {"inside": inside, "after_equals_before": after_equal},
-            "summon_writeback": bool(torch.all(changed == 2.0))}
+            "summon_writeback": bool(torch.all(changed == 2.0)), "summon_options": summon_option_checks()}
+
+
+def summon_option_checks() -> dict:
+    """rank0_only, offload_to_cpu and with_grads as PyTorch defines them, against a plain model
+    trained on the same global batch (its gradient is the average of the ranks')."""
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    model = _fsdp(Llama("cpu", seed=0))
+    model(_local_batch()).loss.backward()
+    plain = Llama("cpu", seed=0)
+    plain(global_batch(512, 8, 32, step=0)).loss.backward()
+    expected = {n: (p.detach(), p.grad) for n, p in plain.named_parameters()}
+    sharded_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    out = {}
+    with FSDP.summon_full_params(model, writeback=False, rank0_only=True):
+        out["rank0_only_full_here"] = all(tuple(p.shape) == tuple(expected[n][0].shape)
+                                          for n, p in model.named_parameters())
+        out["rank0_only_sharded_here"] = {n: tuple(p.shape) for n, p in model.named_parameters()} == sharded_shapes
+    with FSDP.summon_full_params(model, writeback=False, offload_to_cpu=True):
+        out["offload_on_cpu_and_equal"] = all(p.device.type == "cpu" and torch.equal(p, expected[n][0])
+                                              for n, p in model.named_parameters())
+    grads_before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+        out["with_grads_max_diff"] = max((p.grad - expected[n][1]).abs().max().item()
+                                         for n, p in model.named_parameters())
+    out["grads_back_to_shards"] = all(torch.equal(p.grad, grads_before[n]) for n, p in model.named_parameters())
+    for name, kwargs in (("writeback+rank0_only", dict(rank0_only=True)),
+                         ("with_grads+offload_to_cpu", dict(writeback=False, with_grads=True, offload_to_cpu=True))):
+        try:
+            with FSDP.summon_full_params(model, **kwargs):
+                pass
+            out[name] = "no error"
+        except NotImplementedError as error:
+            out[name] = str(error)
+    return out
 
 
 def frozen_reshard_checks() -> dict:
@@ -157,7 +192,7 @@ def prefetch_checks() -> dict:
         def count(current):
             def hook(*_):
                 gathered_ahead.append(sum(1 for n, u in units.items() if n not in ("root", current)
-                                          and any(h.state != "sharded" for h in u._handles)))
+                                          and any(h.state != ShardedState.SHARDED for h in u._handles)))
             return hook
 
         for n, u in units.items():
@@ -184,6 +219,7 @@ def prefetch_checks() -> dict:
                 "layers.2" in ag and ag["layers.2"].t_start < compute["layers.3 backward"].t_start,
             "AG layers.1 before layers.0 forward ends": fwd_ag["layers.1"].t_start < compute["layers.0 forward"].t_end,
             "max gathered beyond current": max(gathered_ahead),
+            "limiter waits": model._shared.limiter.waits,
         }
     return {"prefetch_orders": out}
 
@@ -191,12 +227,11 @@ def prefetch_checks() -> dict:
 def grad_accumulation_checks() -> dict:
     """bf16 compute, fp32 reduce, one unit: flat buffer vs concat, same numbers, lower peak."""
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, MixedPrecision
-    from fsdp_lab.fsdp1.flat_grad import GradBufferPeak
+    from fsdp_lab.memory.buffer_peak import GradBufferPeak
     from fsdp_lab.memory.tracker import MemoryTracker
 
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out, grads = {}, {}
-    gc.collect()
     for mode in ("flat", "concat"):
         model = FSDP(Llama("cpu", seed=0), mixed_precision=policy, grad_accumulation=mode)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -208,7 +243,6 @@ def grad_accumulation_checks() -> dict:
         grads[mode] = [p.grad.clone() for p in model.parameters()]
         out[mode] = {"losses": losses, "peak": gp.peak, "tracker_peak": mt.peak_total()}
         del model, opt, mt, loss
-        gc.collect()  # the tracker counts every tagged storage alive: drop this model first
     out["flat"]["grads_equal"] = all(torch.equal(a, b) for a, b in zip(grads["flat"], grads["concat"]))
     return {"grad_accumulation": out}
 
@@ -339,3 +373,27 @@ def test_fsdp1_runs_on_cuda_and_matches_single_process():
     losses = launch(run, world_size=1, timeout=300)[0]
     for a, b in zip(losses["reference"], losses["fsdp1"]):
         assert abs(a - b) <= 1e-5 * abs(a)
+
+
+def test_all_gather_limiter_waits_for_the_free_two_frees_back():
+    """limit_all_gathers as PyTorch's _FreeEventQueue: an all-gather waits once two frees are
+    pending, on the oldest (worked by hand with events that record being waited on)."""
+    from fsdp_lab.fsdp1.runtime import AllGatherLimiter
+
+    waited = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            waited.append(self.name)
+
+    limiter = AllGatherLimiter(torch.device("cpu"))
+    limiter.before_all_gather()               # nothing freed yet: no wait
+    limiter._frees.extend([Event("free 1"), Event("free 2")])
+    limiter.before_all_gather()               # two pending: wait for the oldest
+    limiter._frees.append(Event("free 3"))
+    limiter.before_all_gather()
+    limiter.before_all_gather()               # one pending: no wait
+    assert waited == ["free 1", "free 2"] and limiter.waits == 2

@@ -21,7 +21,6 @@ compare numbers.
 from __future__ import annotations
 
 import contextlib
-import gc
 
 import pytest
 import torch
@@ -205,7 +204,6 @@ def _rank_suite():
 
     curves, memory, wire = {}, {}, {}
     for name, fields in CURVE_POLICIES.items():
-        gc.collect()  # earlier models (their hooks form cycles) must not be counted
         curves[name], memory[name], wire[name] = run_policy(fields)
     out.update(curves=curves, memory=memory, wire=wire)
 
@@ -227,7 +225,6 @@ def _rank_suite():
 
     masters = {}
     for name, main in [("fp32_masters", FP32), ("native_masters", None)]:
-        gc.collect()
         masters[name] = run_masters(main)
     out["masters"] = masters
 

@@ -17,6 +17,7 @@ import fsdp_lab
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig
 from fsdp_lab.qlora import NF4Tensor, apply_lora, to_nf4
+from fsdp_lab.states import ShardedState
 
 WORLD_SIZES = (2, 4)
 STEPS = 5
@@ -66,6 +67,7 @@ def _rank_suite():
         out["memory"] = {ac: measure_step("cpu", strategy="fsdp2", batch_size=2, seq_len=64, qlora=True,
                                           activation_checkpointing=ac) for ac in (False, True)}
     out["fsdp1"] = _fsdp1_run(rank, world)
+    out["fsdp1_checkpoint"] = _fsdp1_checkpoint(rank, world)
     out["fsdp1_bf16"] = _fsdp1_bf16_run(rank, world)
     for variant in VARIANTS[:2]:
         model = _qlora_model()
@@ -80,7 +82,7 @@ def _rank_suite():
         resharded = []
 
         def after_backward():
-            resharded.append(all(not s._fsdp_state.group.is_unsharded for s in model.modules()
+            resharded.append(all(s._fsdp_state.group.sharded_state == ShardedState.SHARDED for s in model.modules()
                                  if hasattr(s, "_fsdp_state") and s._fsdp_state.group is not None))
 
         with Timeline() as tl:
@@ -141,6 +143,66 @@ def _fsdp1_run(rank, world):
     gathers = [(e.args.get("module"), e.bytes) for e in tl.comm_events(rank, "all_gather")]
     return {"losses": losses, "local": local, "flags": flags, "gathers": gathers,
             "resharded": bool(seen) and all(b == 0 for b in seen)}
+
+
+def _fsdp1_checkpoint(rank, world):
+    """FSDP1 QLoRA: a sharded state dict through torch.save / torch.load(weights_only=True) into a
+    model built from other weights; a full state dict refused half-way leaves the model trainable."""
+    import io
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, ModuleWrapPolicy, StateDictType
+    from fsdp_lab.models.llama import TransformerBlock
+
+    def wrapped(seed):
+        model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=seed)
+        torch.manual_seed(seed)
+        return FSDP(apply_lora(model, rank=RANK, alpha=ALPHA, quantize_base=True),
+                    auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+
+    def sharded(model):
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return model.state_dict()
+
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=7), rank, world)
+    saved_model = wrapped(0)
+    _train(saved_model, rank, world)
+    saved = sharded(saved_model)
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    loaded_model = wrapped(1)
+    before = sharded(loaded_model)
+    with FSDP.state_dict_type(loaded_model, StateDictType.SHARDED_STATE_DICT):
+        loaded_model.load_state_dict(torch.load(buffer, weights_only=True))
+    with torch.no_grad():
+        losses = [m(batch.input_ids, batch.labels).loss.item() for m in (saved_model, loaded_model)]
+    out = {"saved": saved, "before": before, "loaded": sharded(loaded_model), "losses": losses}
+
+    # a full state dict refused half-way (the last unit's NF4 weights refuse to gather): the
+    # error, then every parameter gathered before is a shard again and training goes on
+    import contextlib
+
+    @contextlib.contextmanager
+    def refusing(**_):
+        raise NotImplementedError("this flat parameter refuses to be gathered")
+        yield
+
+    last = [u for u in saved_model.modules() if isinstance(u, FSDP)][-1]
+    nf4_handle = next(h for h in last._handles if type(h).__name__ == "NF4FlatParamHandle")
+    nf4_handle.full_params = refusing
+    opt = torch.optim.AdamW([p for p in saved_model.parameters() if p.requires_grad], lr=LR, eps=EPS)
+    shapes = {n: tuple(p.shape) for n, p in saved_model.named_parameters()}
+    try:
+        saved_model.state_dict()
+        out["full_refused"] = "no error"
+    except NotImplementedError as error:
+        out["full_refused"] = str(error)
+    del nf4_handle.full_params
+    out["shapes_kept"] = shapes == {n: tuple(p.shape) for n, p in saved_model.named_parameters()}
+    saved_model(batch.input_ids, batch.labels).loss.backward()
+    opt.step()
+    out["step_after_refusal"] = saved_model(batch.input_ids, batch.labels).loss.item()
+    return out
 
 
 def _fsdp1_bf16_run(rank, world):
@@ -341,6 +403,40 @@ def test_fsdp1_gathers_nf4_bytes_per_dtype(ranks):
     got = {b for module, b in ranks[0]["fsdp1"]["gathers"] if module == "layers.0"}
     assert expected <= got
     assert sum(expected) / (2 * sum(numels)) < 0.27  # against the same weights in bf16
+
+
+def _entry_tensors(entry):
+    """The tensors of a sharded state-dict entry: a ShardedParam's local part, a ShardedNF4's parts."""
+    from fsdp_lab.fsdp1 import ShardedParam
+
+    if isinstance(entry, ShardedParam):
+        return [entry.local]
+    if hasattr(entry, "parts"):
+        return [part.local for part in entry.parts.values()]
+    return [entry]
+
+
+def test_fsdp1_sharded_state_dict_round_trips_bit_exactly(ranks):
+    for r in ranks:
+        run = r["fsdp1_checkpoint"]
+        saved, before, loaded = run["saved"], run["before"], run["loaded"]
+        assert saved.keys() == loaded.keys()
+        nf4 = [k for k, v in saved.items() if type(v).__name__ == "ShardedNF4"]
+        assert len(nf4) == 2 * 7  # every NF4 weight has its bytes in the checkpoint
+        for key in saved:
+            assert all(torch.equal(a, b) for a, b in zip(_entry_tensors(saved[key]), _entry_tensors(loaded[key]))), key
+        # the loaded model started from other weights: the round trip is not vacuous
+        assert any(not torch.equal(a, b) for k in nf4 for a, b in zip(_entry_tensors(saved[k]),
+                                                                      _entry_tensors(before[k])))
+        assert run["losses"][0] == run["losses"][1]
+
+
+def test_refused_fsdp1_full_state_dict_leaves_the_model_trainable(ranks):
+    for r in ranks:
+        run = r["fsdp1_checkpoint"]
+        assert "refuses to be gathered" in run["full_refused"]
+        assert run["shapes_kept"] is True
+        assert math.isfinite(run["step_after_refusal"])
 
 
 def test_fsdp1_mixed_precision_leaves_nf4_bytes_alone(ranks, reference):

@@ -1,90 +1,96 @@
 """The parameter whole again: ``summon_full_params``, full and sharded state dicts.
 
 Names are the original ones (``layers.0.attention.wq.weight``, no ``_fsdp_wrapped_module``).
+Each flat parameter (``handle.FlatHandle``) says what its parameters look like whole and on
+this rank; this file walks the units and matches names.
 
 * **full**: every parameter at its full shape in its own dtype (one full-precision
   all-gather per flat parameter, via ``summon_full_params``), plus persistent buffers.
   Loading copies each rank's own slice into its shard: bit-exact, any world size.
-* **sharded**: no communication. Each parameter maps to a ``ShardedParam`` holding only the
-  elements this rank owns (``local``, 1-D) and where they sit (``start``/``end`` in the
-  parameter's flattened index space, ``shape``). Loading needs the same world size and
-  wrapping; a mismatch raises ValueError naming the parameter.
+* **sharded**: no communication. Each parameter maps to what its handle keeps on this rank:
+  a ``ShardedParam`` (the elements this rank owns, ``local``, 1-D, and where they sit:
+  ``start``/``end`` in the parameter's flattened index space, ``shape``) for ordinary
+  parameters, the handle's own entry for extensions (e.g. ``ShardedNF4``). Loading needs the
+  same world size and wrapping; a mismatch raises ValueError naming the parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_lab.fsdp1.handle import FlatHandle
+from fsdp_lab.fsdp1.layout import ShardedParam
+from fsdp_lab.fsdp1.runtime import clean_name, units_in
+from fsdp_lab.states import StepState, TrainingState, assert_in_states
 
-@dataclasses.dataclass
-class ShardedParam:
-    """This rank's part of one parameter: ``local == full.reshape(-1)[start:end]``."""
+__all__ = ["ShardedParam", "summon_full_params", "full_state_dict", "sharded_state_dict",
+           "load_full_state_dict", "load_sharded_state_dict"]
 
-    local: torch.Tensor
-    start: int
-    end: int
-    shape: tuple[int, ...]
+
+def _check_summon_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
+    if writeback and rank0_only:
+        raise NotImplementedError(
+            "summon_full_params(writeback=True, rank0_only=True) is not supported (nor in PyTorch): only rank 0 "
+            "holds the full parameters, so the other ranks would have nothing to write back. Pass writeback=False")
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError(
+            "summon_full_params(with_grads=True, offload_to_cpu=True) is not supported (nor in PyTorch): a "
+            "parameter and its .grad must live on the same device. Leave one of them False")
 
 
 @contextlib.contextmanager
-def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool = True) -> Iterator[None]:
-    """Give every original parameter its full shape in its own dtype inside the block.
+def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                       offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+    """Give every original parameter its full shape in the master dtype inside the block.
 
-    One full-precision all-gather per flat parameter (not the compute dtype). On exit, with
-    ``writeback``, this rank's part of each (possibly modified) full tensor goes back into
-    the shard; then the parameters are 1-D shard views again. Raises RuntimeError in backward.
+    One full-precision all-gather per flat parameter (not the compute dtype); every rank must
+    enter it. ``recurse=False``: only the outermost unit of ``model``. ``rank0_only``: only
+    rank 0 gets the full parameters (the others gather, free at once and stay sharded).
+    ``offload_to_cpu``: the full parameters live in host memory. ``with_grads``: ``.grad``
+    gets the full shape too (None where no rank has a gradient). On exit, with ``writeback``,
+    this rank's part of each (possibly modified) full tensor goes back into the shard; then the
+    parameters are 1-D shard views again, also when the block or a gather raises.
+
+    Raises RuntimeError during backward, NotImplementedError for writeback with rank0_only
+    and with_grads with offload_to_cpu (as PyTorch), or from a flat parameter that cannot be
+    made whole (e.g. NF4 weights).
     """
-    from fsdp_lab.fsdp1.fully_sharded import FullyShardedDataParallel
-
-    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    _check_summon_args(writeback, rank0_only, offload_to_cpu, with_grads)
+    units = units_in(model)
     if not recurse:
         units = units[:1]
-    gathered = []
     for unit in units:
-        if unit._root is not None and unit._root._in_backward:
+        if unit._root is not None and unit._shared.step == StepState.IN_BACKWARD:
             raise RuntimeError("summon_full_params cannot run during backward")
-        for handle in unit._handles:
-            full = handle.gather_full_precision()
-            for info in handle.infos:
-                info.param.data = full[info.offset:info.offset + info.numel].view(info.shape)
-            gathered.append((handle, full))
-    try:
-        yield
-    finally:
-        for handle, full in gathered:
-            if writeback:
-                lo = handle.shard_rank * handle.shard_numel
-                with torch.no_grad():
-                    handle.flat_shard.copy_(full[lo:lo + handle.shard_numel])
-            handle.use_sharded_views()
-
-
-def _managed(model: nn.Module) -> dict[int, tuple]:
-    """id(original Parameter) -> (handle, info, (start, end) in the parameter)."""
-    from fsdp_lab.fsdp1.fully_sharded import FullyShardedDataParallel
-
-    found = {}
-    for unit in model.modules():
-        if isinstance(unit, FullyShardedDataParallel):
+        assert_in_states(unit.training_state, TrainingState.IDLE, where=f"summon_full_params of {unit._name}")
+    materialize = not rank0_only or dist.get_rank() == 0
+    with contextlib.ExitStack() as stack:  # a failed gather unwinds the handles already whole
+        for unit in units:
+            unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+            stack.callback(setattr, unit, "training_state", TrainingState.IDLE)
             for handle in unit._handles:
-                for info, bounds in zip(handle.infos, handle.bounds):
-                    found[id(info.param)] = (handle, info, bounds)
-    return found
+                stack.enter_context(handle.full_params(writeback=writeback, offload_to_cpu=offload_to_cpu,
+                                                       with_grads=with_grads, materialize=materialize))
+        yield
+
+
+def _managed(model: nn.Module) -> dict[int, tuple[FlatHandle, int]]:
+    """id(original Parameter) -> (its handle, its index in the handle)."""
+    return {id(info.param): (handle, index)
+            for unit in units_in(model) for handle in unit._handles for index, info in enumerate(handle.infos)}
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    from fsdp_lab.fsdp1.fully_sharded import _clean
-
     out = {}
     for prefix, module in model.named_modules():
         for name, buf in module._buffers.items():
             if buf is not None and name not in module._non_persistent_buffers_set:
-                out[_clean(f"{prefix}.{name}" if prefix else name)] = buf
+                out[clean_name(f"{prefix}.{name}" if prefix else name)] = buf
     return out
 
 
@@ -94,6 +100,18 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     with summon_full_params(model, writeback=False):
         for name, param in model.named_parameters(remove_duplicate=False):
             out[name] = param.detach().cpu().clone()
+    for name, buf in _persistent_buffers(model).items():
+        out[name] = buf.detach().cpu().clone()
+    return out
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, object]:
+    """This rank's parts: each handle's entry per managed parameter, full tensors otherwise."""
+    managed = _managed(model)
+    out: dict[str, object] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        entry = managed.get(id(param))
+        out[name] = param.detach().cpu().clone() if entry is None else entry[0].sharded_entry(entry[1])
     for name, buf in _persistent_buffers(model).items():
         out[name] = buf.detach().cpu().clone()
     return out
@@ -120,60 +138,32 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
     Raises KeyError (strict) for missing/unexpected names, ValueError for a wrong shape.
     Returns ``(missing, unexpected)`` name lists.
     """
-    def this_rank_slice(name, value, shape, start, end):
-        if tuple(value.shape) != shape:
-            raise ValueError(f"{name}: state dict has shape {tuple(value.shape)}, model has {shape}")
-        return value.reshape(-1)[start:end]
-
-    return _load(model, state, strict, this_rank_slice)
-
-
-def sharded_state_dict(model: nn.Module) -> dict[str, object]:
-    """This rank's slices: ``ShardedParam`` per managed parameter, full tensors otherwise."""
-    managed = _managed(model)
-    out: dict[str, object] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        entry = managed.get(id(param))
-        if entry is None:
-            out[name] = param.detach().cpu().clone()
-            continue
-        _handle, info, (start, end) = entry
-        out[name] = ShardedParam(param.detach().cpu().clone(), start, end, tuple(info.shape))
-    for name, buf in _persistent_buffers(model).items():
-        out[name] = buf.detach().cpu().clone()
-    return out
+    return _load(model, state, strict, lambda handle: handle.load_full_entry)
 
 
 @torch.no_grad()
 def load_sharded_state_dict(model: nn.Module, state: dict[str, object], strict: bool = True):
     """Inverse of ``sharded_state_dict`` on the same world size and wrapping.
 
-    Raises KeyError (strict) for missing/unexpected names; ValueError when a slice does not
-    match this rank's slice of the parameter (different world size or wrapping).
+    Raises KeyError (strict) for missing/unexpected names; ValueError when an entry does not
+    match this rank's part of the parameter (different world size or wrapping).
     """
-    def saved_slice(name, value, shape, start, end):
-        if not isinstance(value, ShardedParam) or (value.start, value.end, tuple(value.shape)) != (start, end, shape):
-            got = (value.start, value.end) if isinstance(value, ShardedParam) else type(value).__name__
-            raise ValueError(f"{name}: saved slice {got} is not this rank's slice {(start, end)}; "
-                             f"load a sharded state dict on the same world size and wrapping, or use a full one")
-        return value.local
-
-    return _load(model, state, strict, saved_slice)
+    return _load(model, state, strict, lambda handle: handle.load_sharded_entry)
 
 
-def _load(model: nn.Module, state: dict, strict: bool, local_part) -> tuple[list[str], list[str]]:
+def _load(model: nn.Module, state: dict, strict: bool,
+          loader: Callable[[FlatHandle], Callable[[int, object, str], None]]) -> tuple[list[str], list[str]]:
     """Copy ``state`` into the model: whole tensors into unmanaged parameters and buffers,
-    ``local_part(name, value, full_shape, start, end)`` into each managed parameter's shard."""
+    ``loader(handle)(index, value, name)`` for each managed parameter."""
     managed = _managed(model)
     expected, missing, unexpected = _match_names(model, state, strict)
     for name, target in expected.items():
         if name not in state:
             continue
-        value = state[name]
         entry = managed.get(id(target))
         if entry is None:  # ignored parameter or buffer: kept whole on every rank
-            target.copy_(value.to(target.device, target.dtype))
+            target.copy_(state[name].to(target.device, target.dtype))
             continue
-        _handle, info, (start, end) = entry
-        target.copy_(local_part(name, value, tuple(info.shape), start, end).to(target.device, target.dtype))
+        handle, index = entry
+        loader(handle)(index, state[name], name)
     return missing, unexpected

@@ -24,6 +24,9 @@ from fsdp_lab.qlora.nf4 import to_nf4
 from fsdp_lab.qlora.nf4_tensor import NF4Tensor
 
 LLAMA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+# Hugging Face transformers' names for the same layers (Llama, Mistral, Qwen2, ...).
+HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = LLAMA_TARGETS + HF_TARGETS
 
 
 class LoRALinear(nn.Module):
@@ -96,7 +99,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def apply_lora(
     model: nn.Module,
-    target_modules: Sequence[str] = LLAMA_TARGETS,
+    target_modules: Sequence[str] = DEFAULT_TARGETS,
     rank: int = 8,
     alpha: float = 16,
     dropout: float = 0.0,
@@ -107,7 +110,9 @@ def apply_lora(
     """Wrap the linear layers whose name ends with one of ``target_modules`` in ``LoRALinear``.
 
     In place; returns ``model``. A module matches when its qualified name equals a target
-    or ends with ``"." + target`` (``layers.0.attention.wq`` matches ``"wq"``). With
+    or ends with ``"." + target`` (``layers.0.attention.wq`` matches ``"wq"``). The default
+    targets are this package's Llama names (``wq``...``w3``) and Hugging Face's
+    (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). With
     ``quantize_base`` their weights become ``NF4Tensor`` parameters (QLoRA). Afterwards
     only ``lora_a``/``lora_b`` parameters require grad; everything else is frozen.
     Raises ValueError for rank <= 0, when nothing matches (the message lists the linear
@@ -130,7 +135,9 @@ def apply_lora(
         if isinstance(module, LoRALinear):
             raise ValueError(f"{name} already has LoRA adapters; apply_lora once per model")
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"{name} matched target_modules but is a {type(module).__name__}, not nn.Linear")
+            raise TypeError(
+                f"{name} matched target_modules but is a {type(module).__name__}, not nn.Linear; "
+                f"pass target_modules naming only linear layers")
     for name, module in matched:
         if quantize_base:
             nf4 = to_nf4(module.weight.detach(), block_size=block_size, double_quant=double_quant)

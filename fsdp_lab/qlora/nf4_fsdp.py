@@ -120,6 +120,22 @@ def shard(weight: NF4Tensor, rank: int, world_size: int) -> NF4Tensor:
     return NF4Tensor(packed, scales, factors, mean, layout)
 
 
+def unpadded(weight: NF4Tensor) -> NF4Tensor:
+    """A copy of a whole (gathered) weight without the padding blocks of its shards.
+
+    Its inner tensors have the sizes ``to_nf4`` gives the weight on one process. Raises
+    ValueError on a shard.
+    """
+    lo = weight.nf4_layout
+    if lo.is_shard:
+        raise ValueError(f"{weight!r} is a shard; gather it first (fsdp_lab.fsdp2.full_tensor)")
+    n_blocks = n_blocks_for(lo.numel, lo.block_size)
+    out = NF4Tensor(weight.packed[: n_blocks * lo.block_size // 2].clone(), weight.scales[:n_blocks].clone(),
+                    weight.scale_factors.clone(), weight.scale_mean.clone(), lo)
+    _tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
+    return out
+
+
 def pre_all_gather(local: NF4Tensor, mesh=None) -> tuple[tuple[torch.Tensor, ...], NF4Layout]:
     """The all-gather inputs of a shard: ``(packed, scales[, factors + mean])`` and metadata.
 
@@ -129,8 +145,9 @@ def pre_all_gather(local: NF4Tensor, mesh=None) -> tuple[tuple[torch.Tensor, ...
     lo = local.nf4_layout
     if not lo.is_shard:
         raise ValueError(f"{local!r} is not an FSDP shard; create shards with fsdp_shard(rank, world_size)")
-    if mesh is not None and mesh.size() != lo.world_size:
-        raise ValueError(f"shard was cut for world size {lo.world_size}, but the mesh has {mesh.size()} ranks")
+    shard_ranks = mesh.size(mesh.ndim - 1) if mesh is not None else lo.world_size  # HSDP: the shard dim
+    if shard_ranks != lo.world_size:
+        raise ValueError(f"shard was cut for world size {lo.world_size}, but the mesh shards over {shard_ranks} ranks")
     if lo.double_quant:
         return (local.packed, local.scales, torch.cat([local.scale_factors, local.scale_mean])), lo
     return (local.packed, local.scales), lo
@@ -207,11 +224,20 @@ def _row_chunks_align(weight: NF4Tensor, rows_per_chunk: int) -> bool:
 
 def _refuse(what: str, weight: NF4Tensor):
     lo = weight.nf4_layout
+    if lo.is_shard:
+        raise NotImplementedError(
+            f"{what} on {weight!r}: this is a shard from fsdp_lab.fsdp2.fully_shard, which cuts NF4 "
+            "weights by quantization blocks, not rows. For the whole weight call "
+            "fsdp_lab.fsdp2.full_tensor(param) on every rank, or get_full_state_dict(model); "
+            "load_full_state_dict(model, state) loads one back on any world size. (A "
+            "torch.distributed.checkpoint of NF4 shards loads on another world size only where every "
+            "shard's rows hold whole quantization blocks; otherwise only on the world size that saved it.)"
+        )
     unit = lo.block_size * (lo.scaler_block_size if lo.double_quant else 1)
     raise NotImplementedError(
-        f"{what} on {weight!r}: torch's fully_shard cuts rows, which works for NF4 only when the "
-        f"rows split evenly over the ranks and each rank's rows hold a multiple of {unit} values. "
-        "fsdp_lab.fsdp2.fully_shard shards NF4 weights by blocks and has no such limit."
+        f"{what} on {weight!r}: torch.distributed.fsdp.fully_shard cuts rows, which works for NF4 only "
+        f"when the rows split evenly over the ranks and each rank's rows hold a multiple of {unit} "
+        "values. fsdp_lab.fsdp2.fully_shard shards NF4 weights by blocks and has no such limit."
     )
 
 
@@ -239,9 +265,70 @@ def _alias_with_shape(weight: NF4Tensor, shape) -> NF4Tensor:
 def _slice(weight: NF4Tensor, dim=0, start=None, end=None, step=1):
     rows = weight.shape[dim] if weight.dim() else 0
     start, end = start or 0, rows if end is None else min(end, rows)
-    if dim != 0 or start != 0 or end != rows or step != 1:
+    if start == 0 and end == rows and step == 1:
+        return _alias_with_shape(weight, weight.shape)
+    window = row_window(weight, start, end) if dim == 0 and step == 1 and weight.is_shard else None
+    if window is None:
         _refuse(f"slice(dim={dim}, start={start}, end={end})", weight)
-    return _alias_with_shape(weight, weight.shape)
+    return window
+
+
+def row_window(weight: NF4Tensor, start: int, end: int) -> NF4Tensor | None:
+    """Rows [start, end) of a shard as a piece that views its bytes, or None if they cut blocks.
+
+    ``torch.distributed.checkpoint`` reshards a DTensor by narrowing rows of the saved and the
+    new shards. That works for an NF4 shard whose blocks begin at its nominal first row
+    (``rank * ceil(rows / world_size)``, as a row chunk would) and rows whose values start and
+    end at block boundaries: the piece holds those blocks (views of the shard's codes, scales
+    and double-quant factors), and ``copy_`` between pieces writes block ranges.
+    """
+    lo = weight.nf4_layout
+    row = math.prod(lo.full_shape[1:])
+    first_row = lo.rank * lo.shape[0]
+    if row == 0 or lo.first_block * lo.block_size != first_row * row:
+        return None
+    full_numel = math.prod(lo.full_shape)
+    v0, v1 = (first_row + start) * row, min((first_row + end) * row, full_numel)
+    if v0 % lo.block_size or (v1 % lo.block_size and v1 != full_numel) or v1 <= v0:
+        return None
+    b0, b1 = v0 // lo.block_size - lo.first_block, math.ceil(v1 / lo.block_size) - lo.first_block
+    half = lo.block_size // 2
+    factors = weight.scale_factors
+    if lo.double_quant:  # the factor slots from the piece's first group on (all true factors)
+        factors = factors[(lo.first_block + b0) // lo.scaler_block_size - lo.first_block // lo.scaler_block_size:]
+    layout = dataclasses.replace(lo, shape=(end - start, *lo.full_shape[1:]), numel=v1 - v0,
+                                 first_block=lo.first_block + b0)
+    return NF4Tensor(weight.packed[b0 * half:b1 * half], weight.scales[b0:b1], factors, weight.scale_mean, layout)
+
+
+def copy_blocks(dst: NF4Tensor, src: NF4Tensor) -> bool:
+    """Write the blocks ``src`` (a shard or a row piece) holds into ``dst`` (a shard or piece of
+    the same weight, cut for any world size) where ``dst``'s block range contains them.
+
+    Returns False (nothing written) when ``dst`` does not contain ``src``'s blocks.
+    """
+    a, b = dst.nf4_layout, src.nf4_layout
+    if (a.full_shape, a.block_size, a.scaler_block_size, a.double_quant) != \
+            (b.full_shape, b.block_size, b.scaler_block_size, b.double_quant):
+        return False
+    n = math.ceil(b.numel / b.block_size)  # blocks that hold values (no padding)
+    offset = b.first_block - a.first_block
+    half = a.block_size // 2
+    if offset < 0 or (offset + n) * half > dst.packed.numel():
+        return False
+    dst.packed[offset * half:(offset + n) * half].copy_(src.packed[:n * half])
+    dst.scales[offset:offset + n].copy_(src.scales[:n])
+    if a.double_quant:
+        # every group both carry a slot for (a shard carries the true factor of each group its
+        # range may touch, 1.0 past the last group): the same value on both sides of a reshard
+        groups = math.ceil(n_blocks_for(math.prod(a.full_shape), a.block_size) / a.scaler_block_size)
+        d_first, s_first = a.first_block // a.scaler_block_size, b.first_block // a.scaler_block_size
+        g0 = max(d_first, s_first)
+        g1 = min(d_first + dst.scale_factors.numel(), s_first + src.scale_factors.numel(), groups)
+        if g1 > g0:
+            dst.scale_factors[g0 - d_first:g1 - d_first].copy_(src.scale_factors[g0 - s_first:g1 - s_first])
+        dst.scale_mean.copy_(src.scale_mean)
+    return True
 
 
 def _view(weight: NF4Tensor, size):

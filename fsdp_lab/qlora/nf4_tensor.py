@@ -39,6 +39,7 @@ except ImportError:  # the memory package is optional for NF4 itself
     _tag = None
 
 aten = torch.ops.aten
+_FUNCTIONAL_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 INNER_TENSORS = ("packed", "scales", "scale_factors", "scale_mean")
 
 
@@ -177,21 +178,37 @@ class NF4Tensor(torch.Tensor):
         return flat[: self.nf4_layout.numel]
 
     def dequantize(self, dtype: torch.dtype | None = None, compile: bool | None = None) -> torch.Tensor:
-        """A plain tensor of the original shape, in ``dtype`` (default: this tensor's dtype).
+        """A plain tensor of this tensor's shape, in ``dtype`` (default: this tensor's dtype).
 
         Each value is computed in float32 (code value times block scale) and rounded once
         to ``dtype``. ``compile``: use the ``torch.compile``d kernel (default: on CUDA).
-        Raises RuntimeError on an FSDP shard, which holds blocks, not rows.
+        On an FSDP shard: the rows it holds, ``(rows, *rest)``, when its blocks hold whole
+        rows (a weight whose row count splits evenly and whose rows per rank hold whole
+        blocks). Raises RuntimeError on a shard whose blocks cut through rows, naming
+        ``dequantize_flat()`` (its values, 1-D) and ``fsdp_lab.fsdp2.full_tensor`` (the whole weight).
         """
         if self.is_shard:
             lo = self.nf4_layout
+            row = math.prod(lo.full_shape[1:])
+            start = lo.first_block * lo.block_size
+            if row and start % row == 0 and lo.numel % row == 0:
+                return self.dequantize_flat(dtype, compile).view(lo.numel // row, *lo.full_shape[1:])
             raise RuntimeError(
-                f"this NF4Tensor is rank {lo.rank}'s FSDP shard of a {list(lo.full_shape)} weight: "
-                "it holds whole quantization blocks of the flattened weight, not rows, so it has "
-                "no row view. All-gather it (fsdp_pre_all_gather/fsdp_post_all_gather) and "
-                "dequantize the result, or call dequantize_flat() for the values it holds."
+                f"this NF4Tensor is rank {lo.rank}'s FSDP shard of a {list(lo.full_shape)} weight: it "
+                f"holds quantization blocks {lo.first_block}.. of the flattened weight, which start or end "
+                "inside a row, so it has no row view. Call dequantize_flat() for the values it holds, or "
+                "fsdp_lab.fsdp2.full_tensor(param) on every rank for the whole weight (.dequantize() that)."
             )
         return self.dequantize_flat(dtype, compile).view(self.shape)
+
+    def fsdp_unpadded(self) -> "NF4Tensor":
+        """A compact copy of a gathered weight: the padding blocks FSDP shards carry dropped.
+
+        Equal, byte for byte, to ``to_nf4`` of the weight on one process. Raises ValueError on a shard.
+        """
+        from fsdp_lab.qlora import nf4_fsdp
+
+        return nf4_fsdp.unpadded(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         lo = self.nf4_layout
@@ -225,6 +242,11 @@ class NF4Tensor(torch.Tensor):
             # to param.data, leaving a wrapper that claims a new dtype over the old bytes. With
             # False it replaces the parameter: NF4 -> NF4 for a device move, plain for a dtype change.
             return False
+        if func in (torch.Tensor.untyped_storage, torch.Tensor.storage):
+            # A wrapper subclass has no storage of its own (data_ptr raises "invalid python
+            # storage"). Code that asks for one (safetensors' and transformers' tied-weight
+            # checks) wants an identity for the bytes: the packed codes are those bytes.
+            return args[0].packed.untyped_storage()
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -232,6 +254,12 @@ class NF4Tensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         handler = _DISPATCH.get(func)
+        if handler is None and func is _FUNCTIONAL_ALL_GATHER and isinstance(args[0], NF4Tensor) and args[0].is_shard:
+            raise NotImplementedError(
+                f"DTensor.full_tensor() cannot gather {args[0]!r}: fsdp_lab.fsdp2.fully_shard cuts NF4 "
+                "weights by quantization blocks, not rows. Call fsdp_lab.fsdp2.full_tensor(param) on every "
+                "rank (a whole NF4Tensor; .dequantize() it for floats), or get_full_state_dict(model)."
+            )
         if handler is None:
             raise NotImplementedError(
                 f"NF4Tensor does not support {func}: it is a frozen quantized weight. "
@@ -331,11 +359,24 @@ def _to_copy(self: NF4Tensor, dtype=None, layout=None, device=None, pin_memory=N
 
 
 def _copy_(dst: NF4Tensor, src, non_blocking=False) -> NF4Tensor:
+    lo = dst.nf4_layout
+    whole_shape = lo.full_shape if dst.is_shard else lo.shape
     if not isinstance(src, NF4Tensor):
-        if dst.is_shard or tuple(src.shape) != tuple(dst.shape):
+        if tuple(src.shape) != tuple(whole_shape):
             raise ValueError(f"cannot copy a {list(src.shape)} tensor into {dst!r}")
-        lo = dst.nf4_layout
         src = NF4Tensor.from_float(src.to(dst.device), lo.block_size, lo.scaler_block_size, lo.double_quant)
+    if dst.is_shard and not src.is_shard and tuple(src.shape) == tuple(whole_shape):
+        # A whole weight copied into a shard: the shard takes its own blocks of it.
+        from fsdp_lab.qlora import nf4_fsdp
+
+        src = nf4_fsdp.shard(src, lo.rank, lo.world_size)
+    if dst.is_shard and src.is_shard and (src.nf4_layout.world_size != lo.world_size or
+                                          src.nf4_layout.shape[0] != lo.shape[0]):
+        # pieces of shards cut for other world sizes (a DCP reshard): write the blocks src holds
+        from fsdp_lab.qlora import nf4_fsdp
+
+        if nf4_fsdp.copy_blocks(dst, src):
+            return dst
     target = dataclasses.replace(dst.nf4_layout, dtype=src.dtype, compile=src.nf4_layout.compile)
     if dst.is_shard and src.is_shard:
         # A shard copied into another shard's buffer takes the source's place in the weight.
@@ -378,4 +419,16 @@ _DISPATCH.update(TORCH_FSDP2_OPS)
 # torch.load(weights_only=True) refuses unknown callables; these two are safe to rebuild.
 torch.serialization.add_safe_globals([_rebuild_nf4, NF4Tensor])
 
-__all__ = ["NF4Tensor", "NF4Layout", "nf4_linear"]
+
+def is_nf4_shard(tensor: torch.Tensor) -> bool:
+    """True for an NF4 weight that holds only this rank's blocks (FSDP2's local shard)."""
+    return isinstance(tensor, NF4Tensor) and tensor.is_shard
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in plain floating-point form: an NF4 weight dequantized to its nominal dtype
+    (a copy), any other tensor as it is (not copied)."""
+    return tensor.dequantize(tensor.dtype) if isinstance(tensor, NF4Tensor) else tensor
+
+
+__all__ = ["NF4Tensor", "NF4Layout", "nf4_linear", "is_nf4_shard", "plain_tensor"]
