@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import fsdp_lab
+from fsdp_lab.states import ShardedState
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
 
@@ -323,7 +324,7 @@ def _rank_extras():
     original_unshard = FSDPParamGroup.unshard
 
     def logging_unshard(self, async_op=False):
-        if not self.is_unsharded and self._all_gather is None:
+        if self.sharded_state == ShardedState.SHARDED:
             log.append((self.name, async_op))
         return original_unshard(self, async_op)
 

@@ -9,8 +9,10 @@ from fsdp_lab.fsdp2.fully_shard import (CPUOffloadPolicy, FSDPModule, OffloadPol
                                         fully_shard)
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
-from fsdp_lab.fsdp2.state_dict import get_full_state_dict, load_full_state_dict
+from fsdp_lab.fsdp2.init import init_sharded
+from fsdp_lab.fsdp2.state_dict import full_tensor, get_full_state_dict, load_full_state_dict, load_full_tensor
 from fsdp_lab.precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy", "FSDPParam", "FSDPParamGroup", "get_full_state_dict", "load_full_state_dict"]
+           "CPUOffloadPolicy", "FSDPParam", "FSDPParamGroup", "get_full_state_dict", "load_full_state_dict",
+           "full_tensor", "load_full_tensor", "init_sharded"]

@@ -18,24 +18,24 @@ subclass of ``FSDPModule``. From then on hooks run the group:
   waits for the last reduce-scatter, so ``.grad`` is complete when ``backward()`` returns.
 
 The *root* is the first ``FSDPModule`` whose forward runs; it owns the bookkeeping shared by
-all groups below it (forward order for prefetch, the in-flight reduce-scatter).
+all groups below it (forward order for prefetch, the in-flight reduce-scatter). The hooks and
+the state they keep are in ``hooks.py``; this module builds the groups and the public API.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp_lab import sync_points
 from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
+from fsdp_lab.fsdp2.hooks import _FSDPState
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
-from fsdp_lab.precision import MixedPrecisionPolicy, cast_floating, main_params_dtype, tensors_in
+from fsdp_lab.precision import MixedPrecisionPolicy, main_params_dtype
 
 __all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
 
@@ -53,21 +53,25 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     """Shard ``module``'s parameters across ``mesh`` (like ``torch.distributed.fsdp.fully_shard``).
 
     ``module`` may be a list: its modules form one group (one all-gather), e.g. tied
-    ``[model.tok_embeddings, model.output]``. ``mesh``: a 1-D ``DeviceMesh``; None builds one
-    over the whole world on this rank's device type. ``reshard_after_forward``: True frees the
-    gathered parameters after forward and gathers them again in backward; False keeps them
-    until after backward; None (default, as in PyTorch) means True except for the root module,
-    whose parameters would be gathered again at once. Returns ``module`` (now an ``FSDPModule``).
+    ``[model.tok_embeddings, model.output]``. ``mesh``: a 1-D ``DeviceMesh``, or a 2-D one
+    (replicate x shard: HSDP, shards within the last dim, gradients also averaged over the
+    first); None builds a 1-D one over the whole world on this rank's device type.
+    ``reshard_after_forward``: True frees the gathered parameters after forward and gathers
+    them again in backward; False keeps them until after backward; None (default, as in
+    PyTorch) means True except for the root module, whose parameters would be gathered again
+    at once. Returns ``module`` (now an ``FSDPModule``).
 
     Raises:
         ValueError: the module is already an FSDPModule; a parameter is already managed by
             another ``fully_shard`` call; parameters on different devices; a mesh that is not
-            1-D over the whole world or whose device type differs from the parameters'.
-        TypeError: a non-floating parameter; a bad policy type.
+            1-D or 2-D over the whole world or whose device type differs from the parameters'.
+        TypeError: a non-floating parameter; a bad policy type (PyTorch's
+            ``torch.distributed.fsdp.MixedPrecisionPolicy`` is accepted and converted).
         NotImplementedError: an int ``reshard_after_forward`` (resharding to a smaller group).
         RuntimeError: no default process group.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    mp_policy = MixedPrecisionPolicy.coerce(mp_policy)
     _check_args(modules, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh or _default_mesh()
     device = _check_mesh(mesh)
@@ -101,8 +105,6 @@ def _check_args(modules, reshard_after_forward, mp_policy, offload_policy) -> No
             "supported by fsdp_lab's FSDP2; use True (free after forward) or False (keep until after backward)")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool or None, got {reshard_after_forward!r}")
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a fsdp_lab.precision.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(), got {offload_policy!r}")
 
@@ -119,9 +121,9 @@ def _default_mesh() -> DeviceMesh:
 def _check_mesh(mesh: DeviceMesh) -> torch.device:
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(f"fsdp_lab's fully_shard takes a 1-D mesh; got a {mesh.ndim}-D mesh "
-                         f"(hybrid sharding is not supported)")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fsdp_lab's fully_shard takes a 1-D mesh (shard) or a 2-D mesh (replicate x shard, "
+                         f"HSDP); got a {mesh.ndim}-D mesh")
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"the mesh has {mesh.size()} ranks but the world has {dist.get_world_size()}; "
                          f"use init_device_mesh(device_type, ({dist.get_world_size()},)) or mesh=None")
@@ -156,9 +158,6 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[
     if len(devices) > 1:
         raise ValueError(f"the parameters of {type(modules[0]).__name__} are on different devices "
                          f"({', '.join(sorted(map(str, devices)))}); move the module to one device first")
-    if devices == {torch.device("meta")}:
-        raise NotImplementedError("fully_shard on meta-device parameters is not supported by fsdp_lab's FSDP2; "
-                                  "materialise the model first (to_empty(device=...) + init_weights())")
     names = {p: f"{type(infos[0][0]).__name__}.{infos[0][1]}" for p, infos in found.items()}
     for p in found:
         if p in _CLAIMED:
@@ -172,19 +171,19 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     fsdp_params = []
     for p, infos in found.items():
-        data = p if p.device == device else p.to(device)
+        data = p if p.device == device or p.is_meta else p.to(device)  # meta: shards on meta until to_empty
         trainable = p.requires_grad and not hasattr(p, "fsdp_pre_all_gather") and not hasattr(p, "fsdp_shard")
         fsdp_params.append(FSDPParam(data, infos, mesh, device, mp_policy.param_dtype,
                                      mp_policy.reduce_dtype or mp_policy.param_dtype, offload,
                                      getattr(offload_policy, "pin_memory", False),
-                                     main_dtype=main_params_dtype(mp_policy, p.dtype, trainable),
+                                     master_dtype=main_params_dtype(mp_policy, p.dtype, trainable),
                                      main_grads_dtype=mp_policy.main_grads_dtype))
         _CLAIMED[p] = type(modules[0]).__name__
     for fsdp_param in fsdp_params:
         fsdp_param.to_sharded()
     for m in modules:  # buffers follow the compute device
         for b_name, b in list(m.named_buffers()):
-            if b.device != device:
+            if b.device != device and not b.is_meta:
                 owner, _, leaf = b_name.rpartition(".")
                 (m.get_submodule(owner) if owner else m)._buffers[leaf] = b.to(device)
     return fsdp_params
@@ -228,6 +227,15 @@ class FSDPModule:
         handle.wait()
         return None
 
+    def _apply(self, fn, recurse: bool = True):
+        # to_empty(device=...) after building on meta, or a device move: Module._apply gives the
+        # module new DTensors; each FSDPParam adopts its new shard (PyTorch's FSDP2 does the same)
+        module = super()._apply(fn, recurse)
+        if self._fsdp_state.group is not None:
+            for fsdp_param in self._fsdp_state.group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+        return module
+
     def reshard(self) -> None:
         """Free this module's unsharded parameters (modules see the sharded DTensors again)."""
         if self._fsdp_state.group is not None:
@@ -244,23 +252,10 @@ class FSDPModule:
         """
         states = {id(m._fsdp_state): m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)}
         roots = {id(s.root): s.root for s in states.values() if s.root is not None}
-        for root in roots.values():
-            pending, root.pending_reduce = root.pending_reduce, None
-            if pending is not None:
-                pending.handle.wait()  # its gradients are dropped
-            root.callback_queued = False
+        for root in roots.values():   # root context -> state -> group -> parameter, each its own reset
+            root.reset()
         for state in states.values():
-            state._in_forward, state._pre_backward_done = 0, False
-            state._to_run = set()
-            if state.group is not None:
-                state.group.wait_for_unshard()  # an issued prefetch
-                for fsdp_param in state.group.fsdp_params:
-                    fsdp_param.to_sharded()
-                    fsdp_param.free_unsharded_param()
-                    if fsdp_param._unsharded_param is not None:
-                        fsdp_param._unsharded_param.grad = None
-                    fsdp_param.unsharded_accumulated_grad = None
-                state.group.is_unsharded = False
+            state.reset()
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         modules = self.modules() if recurse else [self]
@@ -299,190 +294,3 @@ def _states_of(modules: Iterable) -> list["_FSDPState"]:
         if not isinstance(m, FSDPModule):
             raise ValueError(f"prefetch targets must be fully_shard-ed modules, got {type(m).__name__}")
     return [m._fsdp_state for m in modules]
-
-
-# -- hooks -----------------------------------------------------------------------------------
-class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on the module's inputs; its backward runs once their gradients exist,
-    i.e. after the module's own backward."""
-
-    @staticmethod
-    def forward(ctx, state, *inputs):
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.state.post_backward()
-        return (None, *grads)
-
-
-class _RootContext:
-    """What the root shares with every state below it."""
-
-    def __init__(self, states: list["_FSDPState"]):
-        self.states = states
-        self.post_forward_order: list[_FSDPState] = []
-        self.callback_queued = False  # True from the first pre_backward to the end of backward
-        self.pending_reduce = None
-
-    @property
-    def in_backward(self) -> bool:
-        return self.callback_queued
-
-    def finish_pending_reduce(self) -> None:
-        if self.pending_reduce is not None:
-            pending, self.pending_reduce = self.pending_reduce, None
-            pending.wait()
-
-
-class _FSDPState:
-    """The hooks of one ``fully_shard`` call (shared by all modules of a list)."""
-
-    def __init__(self, modules, group: FSDPParamGroup | None, mp_policy: MixedPrecisionPolicy, auto_reshard: bool):
-        self.modules, self.group, self.mp_policy = modules, group, mp_policy
-        self.auto_reshard = auto_reshard
-        self.is_root: bool | None = None
-        self.root: _RootContext | None = None
-        self.forward_prefetch: list[_FSDPState] = []
-        self.backward_prefetch: list[_FSDPState] | None = None
-        self._in_forward = 0
-        self._pre_backward_done = False
-        # ids of this group's modules still to run in the current forward pass: a group of
-        # several modules (e.g. two blocks) gathers once and reshards after its last module.
-        self._to_run: set[int] = set()
-
-    def lazy_init(self) -> None:
-        """Make this state the root of every state in its modules' subtrees."""
-        states: list[_FSDPState] = []
-        for top in self.modules:
-            for m in top.modules():
-                state = getattr(m, "_fsdp_state", None)
-                if state is not None and state not in states:
-                    states.append(state)
-        context = _RootContext(states)
-        names = {id(m): name for top in self.modules for name, m in top.named_modules()}
-        for state in states:  # label timeline events with module paths, e.g. "layers.0"
-            if state.group is not None:
-                state.group.name = ",".join(names.get(id(m)) or "root" for m in state.modules)
-        for state in states:
-            if state.is_root is not None and state is not self:
-                raise RuntimeError("an FSDPModule ran forward on its own before its parent; run the root first")
-            state.is_root, state.root = state is self, context
-        if self.auto_reshard and self.group is not None:
-            self.group.reshard_after_forward = False  # gathered again right away in backward
-
-    def pre_forward_hook(self, module, args, kwargs):
-        if self.is_root is None:
-            self.lazy_init()
-        if self.is_root and self._in_forward == 0:
-            self.root.finish_pending_reduce()
-            if torch.is_grad_enabled():
-                self.root.post_forward_order = []
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = cast_floating((args, kwargs), self.mp_policy.param_dtype)
-        sync_points.fire("pre_forward", self.group.name if self.group is not None else "")
-        self._in_forward += 1
-        new_pass = id(module) not in self._to_run
-        if new_pass:
-            self._to_run = {id(m) for m in self.modules}
-        if self.group is not None:
-            self.group.unshard()
-            self.group.wait_for_unshard()
-            self._pre_backward_done = False
-        if new_pass:
-            for target in self.forward_prefetch:
-                if target.group is not None:
-                    target.group.unshard(async_op=True)
-        if new_pass and torch.is_grad_enabled() and not self.root.in_backward:
-            args, kwargs = self._register_post_backward(args, kwargs)
-        return args, kwargs
-
-    def _register_post_backward(self, args, kwargs):
-        flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not positions or self.group is None:
-            return args, kwargs
-        wrapped = _RegisterPostBackward.apply(self, *(flat[i] for i in positions))
-        for i, tensor in zip(positions, wrapped):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
-
-    def post_forward_hook(self, module, args, kwargs, output):
-        self._in_forward -= 1
-        if self._in_forward > 0:  # another module of this group is still running
-            return output
-        self._to_run.discard(id(module))
-        if self._to_run:  # later modules of this group still need the gathered parameters
-            return cast_floating(output, self.mp_policy.output_dtype) if self.mp_policy.output_dtype else output
-        if self.root.in_backward:  # recomputed forward (activation checkpointing): backward needs the params
-            return output
-        training = torch.is_grad_enabled()
-        if self.group is not None:
-            if self.group.reshard_after_forward or not training:  # no backward will come to reshard
-                self.group.reshard()
-            if training:
-                self.root.post_forward_order.append(self)
-        if training:
-            for tensor in tensors_in(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward_hook)
-        if self.mp_policy.output_dtype is not None:
-            output = cast_floating(output, self.mp_policy.output_dtype)
-        return output
-
-    def _pre_backward_hook(self, grad):
-        self.pre_backward()
-        return grad
-
-    def pre_backward(self) -> None:
-        root = self.root
-        if not root.callback_queued:
-            root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root_final_callback_for(root))
-        if self._pre_backward_done or self.group is None:
-            return
-        sync_points.fire("pre_backward", self.group.name)
-        self._pre_backward_done = True
-        self.group.unshard()
-        self.group.wait_for_unshard()
-        for target in self._backward_prefetch_targets():
-            if target.group is not None:
-                target.group.unshard(async_op=True)
-
-    def _backward_prefetch_targets(self) -> list["_FSDPState"]:
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
-        order = self.root.post_forward_order
-        if self not in order:
-            return []
-        index = len(order) - 1 - order[::-1].index(self)
-        return [order[index - 1]] if index > 0 else []
-
-    def post_backward(self) -> None:
-        """Reduce the gradients this group holds and reshard (may run more than once per backward)."""
-        if self.group is None:
-            return
-        sync_points.fire("post_backward", self.group.name)
-        reduce = self.group.reduce_grads()
-        if reduce is not None:
-            self.root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
-            self.root.pending_reduce = reduce
-        if self.group.reshard_after_backward:
-            self.group.reshard()
-
-
-def root_final_callback_for(root: _RootContext):
-    """The function the autograd engine runs once the whole backward is done."""
-
-    def final_callback() -> None:
-        for state in root.states:
-            if state.group is None:
-                continue
-            state.group.wait_for_unshard()  # a prefetch nobody used
-            state.post_backward()
-            state._pre_backward_done = False
-        root.finish_pending_reduce()
-        root.callback_queued = False
-
-    return final_callback

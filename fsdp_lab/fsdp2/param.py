@@ -34,17 +34,23 @@ private buffer when that differs from the master dtype, ``.grad`` being its cast
 from __future__ import annotations
 
 import dataclasses
-import math
+import weakref
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_lab.memory.tags import tag
 from fsdp_lab.precision import accumulation_dtype
 
-__all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy", "padded_rows"]
+
+
+def padded_rows(rows: int, world_size: int) -> int:
+    """Rows every rank stores for a parameter of ``rows`` rows: ``ceil(rows / world_size)``
+    (the last ranks hold fewer real rows, padded to this size)."""
+    return -(-rows // world_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,66 +94,106 @@ class FSDPParam:
 
     ``module_infos``: every (module, attribute name) through which the parameter is reached
     (more than one for tied weights). ``device``: where compute runs; ``offload`` keeps the
-    shard (and its gradient) on CPU instead. ``main_dtype``: dtype of the stored shard (the
+    shard (and its gradient) on CPU instead. ``master_dtype``: dtype of the stored shard (the
     master weights; default the parameter's own); ``main_grads_dtype``: accumulation dtype
     (None: PyTorch's choice). Raises ValueError for a 0-dim parameter.
     """
 
     def __init__(self, param: nn.Parameter, module_infos: list[tuple[nn.Module, str]], mesh, device: torch.device,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, offload: bool = False,
-                 pin_memory: bool = False, main_dtype: torch.dtype | None = None,
+                 pin_memory: bool = False, master_dtype: torch.dtype | None = None,
                  main_grads_dtype: torch.dtype | None = None):
         if param.dim() == 0:
             raise ValueError(f"cannot shard the 0-dim parameter {module_infos[0][1]!r} on dim 0; "
                              "give it shape (1,) or keep it out of fully_shard")
-        self.module_infos = module_infos
+        # weak: a module holds its group's state, which holds this parameter (no cycle back)
+        self._module_refs = [(weakref.ref(module), name) for module, name in module_infos]
         self.mesh, self.device = mesh, device
-        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        # HSDP (a 2-D mesh, replicate x shard): shard over the last dim, replicate over the first
+        shard_dim = mesh.ndim - 1
+        self.rank, self.world_size = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
         self.orig_size, self.orig_dtype = param.shape, param.dtype
         self.requires_grad = param.requires_grad
-        self.main_dtype = main_dtype or param.dtype  # dtype of the shard the optimizer updates
+        self.master_dtype = master_dtype or param.dtype  # dtype of the shard the optimizer updates
         self.compute_dtype = param_dtype or param.dtype
-        self.param_dtype = self.compute_dtype if self.compute_dtype != self.main_dtype else None
+        self.param_dtype = self.compute_dtype if self.compute_dtype != self.master_dtype else None
         self.reduce_dtype = reduce_dtype
         self.main_grads_dtype = main_grads_dtype
-        self._sharded_main_grad: torch.Tensor | None = None  # accumulator when its dtype != main_dtype
+        # (local_rows, *orig_size[1:]) accumulation dtype; only when that is not master_dtype
+        self._sharded_main_grad: torch.Tensor | None = None
         self._exposed_grad: tuple[torch.Tensor, int] | None = None  # (the .grad it was cast to, its version)
         self.offload, self.pin_memory = offload, pin_memory and torch.cuda.is_available()
         rows = self.orig_size[0]
-        self.padded_rows = math.ceil(rows / self.world_size)
+        self.padded_rows = padded_rows(rows, self.world_size)
         self.padded_sharded_size = torch.Size([self.padded_rows, *self.orig_size[1:]])
         self.local_rows = max(0, min(self.padded_rows, rows - self.rank * self.padded_rows))
+        # per all-gather input: (world_size * its numel,) in its dtype (compute dtype, plain parameter)
         self.all_gather_outputs: list[torch.Tensor] = []
-        self._unsharded_param: nn.Parameter | None = None
+        self._unsharded_param: nn.Parameter | None = None  # orig_size, compute dtype (a view of the outputs)
         self._unsharded_inner_tensors: list[torch.Tensor] = []
         self._metadata = None
-        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.unsharded_accumulated_grad: torch.Tensor | None = None  # orig_size, accumulation dtype (no sync)
         self._init_sharded_param(param.detach())
 
     # -- 1. shard -------------------------------------------------------------------------
     def _init_sharded_param(self, data: torch.Tensor) -> None:
         storage_device = torch.device("cpu") if self.offload else self.device
+        if data.is_meta:  # meta-device init: shards on meta until Module.to_empty (reset_sharded_param)
+            if hasattr(data, "fsdp_shard") or hasattr(data, "fsdp_pre_all_gather"):
+                raise NotImplementedError(f"{self.module_infos[0][1]!r} is a {type(data).__name__} on the meta "
+                                          "device; quantized weights need values: quantize after initialising")
+            storage_device = torch.device("meta")
         if hasattr(data, "fsdp_shard"):  # a tensor subclass that shards (and pads) itself
             local = data.fsdp_shard(self.rank, self.world_size).to(storage_device)
             self._sharded_data = None
         else:
-            padded = torch.zeros(self.padded_sharded_size, dtype=self.main_dtype, device=storage_device)
+            padded = torch.zeros(self.padded_sharded_size, dtype=self.master_dtype, device=storage_device)
             start = self.rank * self.padded_rows
             padded[: self.local_rows].copy_(data[start:start + self.local_rows])
             if self.pin_memory and storage_device.type == "cpu":
                 padded = padded.pin_memory()
-            tag(padded, "sharded_params")
-            self._sharded_data = padded
+            if not padded.is_meta:
+                tag(padded, "sharded_params")
+            self._sharded_data = padded  # (padded_rows, *orig_size[1:]) master dtype; rows past local_rows are 0
             local = padded.narrow(0, 0, self.local_rows)
         self.is_extension = hasattr(local, "fsdp_pre_all_gather")
-        self._spec = DTensorSpec(self.mesh, (Shard(0),), tensor_meta=TensorMeta(
-            self.orig_size, _contiguous_stride(self.orig_size), self.main_dtype))
+        placements = (Replicate(),) * (self.mesh.ndim - 1) + (Shard(0),)
+        self._spec = DTensorSpec(self.mesh, placements, tensor_meta=TensorMeta(
+            self.orig_size, _contiguous_stride(self.orig_size), self.master_dtype))
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=self.requires_grad)
+
+    def reset_sharded_param(self) -> None:
+        """Adopt the shard ``Module._apply`` left on the module (``to_empty(device=...)`` after
+        building on the meta device, or a device move): a new padded buffer on its device holds
+        its rows, and the module gets a new sharded parameter over it. No-op when unchanged."""
+        module, name = self.module_infos[0]
+        current = module._parameters[name]
+        local = current.to_local() if isinstance(current, DTensor) else current
+        held = self._sharded_data if self._sharded_data is not None else self.sharded_local_tensor
+        if local.device == held.device and (local.is_meta or
+                                            local.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()):
+            return
+        if self.is_extension:
+            data = local
+        else:
+            data = torch.zeros(self.padded_sharded_size, dtype=self.master_dtype, device=local.device)
+            if not local.is_meta:
+                tag(data, "sharded_params")
+                data[: self.local_rows].copy_(local.detach().reshape(self.local_rows, *self.orig_size[1:]))
+            self._sharded_data = data
+            data = data.narrow(0, 0, self.local_rows)
+        self.sharded_param = nn.Parameter(self._to_dtensor(data), requires_grad=self.requires_grad)
+        self.to_sharded()
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         # DTensor(...) wraps ``local`` itself (DTensor.from_local would take a view, which a
         # quantized subclass need not support)
         return DTensor(local, self._spec, requires_grad=False)
+
+    @property
+    def module_infos(self) -> list[tuple[nn.Module, str]]:
+        """Every (module, attribute name) holding this parameter, among the modules still alive."""
+        return [(module, name) for ref, name in self._module_refs if (module := ref()) is not None]
 
     @property
     def sharded_local_tensor(self) -> torch.Tensor:
@@ -224,6 +270,15 @@ class FSDPParam:
         for module, name in self.module_infos:
             module._parameters[name] = self.sharded_param
 
+    def reset(self) -> None:
+        """After an interrupted step: modules see the shard, the unsharded bytes are freed and
+        the unreduced gradients (this step's and any accumulated without sync) dropped."""
+        self.to_sharded()
+        self.free_unsharded_param()
+        if self._unsharded_param is not None:
+            self._unsharded_param.grad = None
+        self.unsharded_accumulated_grad = None
+
     # -- 5. gradient ----------------------------------------------------------------------
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Remove and return the full gradient (plus what was accumulated without sync), or None."""
@@ -259,11 +314,11 @@ class FSDPParam:
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
         """Make this rank's reduced rows (a flat slice of the padded shard) the DTensor's grad, or add them to it."""
         local = reduced_shard.view(self.padded_sharded_size).narrow(0, 0, self.local_rows)
-        acc_dtype = accumulation_dtype(self.main_grads_dtype, self.compute_dtype, self.main_dtype)
-        if acc_dtype != self.main_dtype:
+        acc_dtype = accumulation_dtype(self.main_grads_dtype, self.compute_dtype, self.master_dtype)
+        if acc_dtype != self.master_dtype:
             self._accumulate_main_grad(local, acc_dtype)
             return
-        local = local.to(self.main_dtype)
+        local = local.to(self.master_dtype)
         if self.offload:
             local = local.to("cpu", non_blocking=True)
         tag(local, "sharded_grads")
@@ -289,6 +344,6 @@ class FSDPParam:
         local = local.to("cpu" if self.offload else local.device)
         acc = tag(local.to(acc_dtype, copy=True), "sharded_grads") if acc is None else acc.add_(local.to(acc_dtype))
         self._sharded_main_grad = acc
-        out = tag(acc.to(self.main_dtype), "sharded_grads")
+        out = tag(acc.to(self.master_dtype), "sharded_grads")
         self.sharded_param.grad = self._to_dtensor(out)
         self._exposed_grad = (out, out._version)

@@ -4,17 +4,21 @@ Every ``fully_shard`` call makes one ``FSDPParamGroup`` of the parameters it man
 group batches its parameters' per-parameter steps (see ``param.py``) into one collective
 each way:
 
-* **unshard** = copy-in (every parameter's shard, cast to ``param_dtype``, into one flat
+* **unshard** = copy-in (every parameter's shard, cast to the compute dtype, into one flat
   buffer) -> one ``all_gather_into_tensor`` (async) -> copy-out (``split_with_sizes_copy``
   from the rank-major output into each parameter's ``all_gather_outputs``). When the inputs
   do not share one dtype (e.g. NF4 bytes beside float scales) the buffer is ``uint8`` and
   each input travels as its raw bytes.
 * **reshard** = point modules back at the sharded DTensors and free the unsharded storage.
-* **reduce** = copy-in of the padded gradients in ``reduce_dtype`` -> one
+* **reduce** = copy-in of the padded gradients in the wire dtype -> one
   ``reduce_scatter_tensor`` (average, async) -> each parameter's rows become its sharded grad.
+  With a 2-D mesh (HSDP) both collectives run within the shard group (the mesh's last dim)
+  and the reduced shard is then averaged over the replicas (an all-reduce on the first dim).
 
-State is just ``is_unsharded`` plus the in-flight all-gather and reduce-scatter, which lets
-``unshard(async_op=True)`` serve prefetching: issue now, ``wait_for_unshard()`` when needed.
+State is a ``states.ShardedState`` (SHARDED -> GATHERING -> UNSHARDED -> SHARDED) plus the
+all-gather in flight (one ``_AllGather``), which lets ``unshard(async_op=True)`` serve
+prefetching: issue now, ``wait_for_unshard()`` when needed. ``reset()`` brings the group back
+to SHARDED after an interrupted step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from fsdp_lab import collectives, sync_points
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.memory.tags import tag
 from fsdp_lab.precision import accumulation_dtype
+from fsdp_lab.states import ShardedState, assert_in_states
 
 __all__ = ["FSDPParamGroup", "set_synchronous"]
 
@@ -46,21 +51,40 @@ def set_synchronous(synchronous: bool) -> bool:
 class _AllGather:
     """An all-gather in flight: its handle, output buffer and what to copy out where."""
 
-    def __init__(self, handle, output, buffer_dtype, input_sizes, split_numels):
-        self.handle, self.output, self.buffer_dtype = handle, output, buffer_dtype
-        self.input_sizes, self.split_numels = input_sizes, split_numels
+    def __init__(self, handle, input, output, buffer_dtype, inputs, dtypes, owners, split_numels):
+        self.handle = handle
+        self.input = input                # (sum(split_numels),) buffer_dtype: this rank's copied-in shards
+        self.output = output              # (world * sum(split_numels),) buffer_dtype, rank-major
+        self.buffer_dtype = buffer_dtype  # the wire dtype, or uint8 when the inputs' dtypes differ
+        self.inputs, self.dtypes = inputs, dtypes  # every all-gather input and its wire dtype
+        self.owners = owners              # how many of the inputs each FSDPParam gave, in order
+        self.split_numels = split_numels  # elements (of buffer_dtype) per input and rank
 
 
 class _ReduceScatter:
     """A reduce-scatter in flight; ``wait()`` hands each parameter its reduced rows."""
 
-    def __init__(self, handle, output, params, split_numels):
-        self.handle, self.output, self.params, self.split_numels = handle, output, params, split_numels
+    def __init__(self, handle, input, output, output_is_temporary, params, split_numels,
+                 replicate_group=None, name=""):
+        self.handle, self.input, self.output, self.params = handle, input, output, params
+        self.output_is_temporary, self.split_numels = output_is_temporary, split_numels
+        self.replicate_group, self.name = replicate_group, name
 
     def wait(self) -> None:
         self.handle.wait()
+        collectives.release(self.input)
+        if self.replicate_group is not None:  # HSDP: average the shard over the replicas
+            collectives.all_reduce(self.output, op="avg", group=self.replicate_group, meta={"module": self.name})
         for fsdp_param, shard in zip(self.params, torch.split(self.output, self.split_numels)):
             fsdp_param.accumulate_sharded_grad(shard)
+        if self.output_is_temporary and not any(_holds(p, self.output) for p in self.params):
+            collectives.release(self.output)  # its rows were added into the sharded grads
+
+
+def _holds(fsdp_param: FSDPParam, buffer: torch.Tensor) -> bool:
+    """Whether the parameter's sharded grad is a view of ``buffer`` (no cast was needed)."""
+    grad = fsdp_param.sharded_param.grad
+    return grad is not None and grad._local_tensor.untyped_storage()._cdata == buffer.untyped_storage()._cdata
 
 
 class FSDPParamGroup:
@@ -70,17 +94,20 @@ class FSDPParamGroup:
     """
 
     def __init__(self, fsdp_params: list[FSDPParam], modules: list[nn.Module], mesh, device: torch.device,
-                 reshard_after_forward: bool, reduce_dtype: torch.dtype | None, name: str = ""):
-        self.fsdp_params, self.modules = fsdp_params, modules
-        self.mesh, self.group, self.device = mesh, mesh.get_group(), device
-        self.world_size = mesh.size()
+                 reshard_after_forward: bool, wire_dtype: torch.dtype | None, name: str = ""):
+        self.fsdp_params = fsdp_params
+        # HSDP: gather and reduce-scatter within the shard group (the mesh's last dim), then
+        # all-reduce the reduced shard across the replicas (its first dim)
+        self.mesh, self.group, self.device = mesh, mesh.get_group(mesh.ndim - 1), device
+        self.world_size = mesh.size(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.reduce_dtype = reduce_dtype
+        self.wire_dtype = wire_dtype  # gradients travel in it (None: each one's compute dtype)
         self.name = name
-        self.is_unsharded = False
-        self._all_gather: _AllGather | None = None
+        self.sharded_state = ShardedState.SHARDED
+        self._all_gather: _AllGather | None = None  # in flight while GATHERING
 
     # -- unshard ---------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -88,7 +115,7 @@ class FSDPParamGroup:
 
         With ``async_op`` the collective is only issued; ``wait_for_unshard()`` finishes it.
         """
-        if self.is_unsharded or self._all_gather is not None:
+        if self.sharded_state != ShardedState.SHARDED:
             return
         inputs, dtypes, owners = [], [], []
         for fsdp_param in self.fsdp_params:
@@ -110,10 +137,8 @@ class FSDPParamGroup:
         sync_points.fire("all_gather", self.name)  # after the allocations: nothing fails between sync and collective
         handle = collectives.all_gather_into_tensor(output, flat_input, group=self.group, async_op=True,
                                                     meta={"module": self.name})
-        input_sizes = [t.shape for t in inputs]
-        self._all_gather = _AllGather(handle, output, buffer_dtype, input_sizes, split_numels)
-        self._all_gather_dtypes, self._all_gather_inputs = dtypes, inputs  # for copy-out
-        self._owners = owners
+        self._all_gather = _AllGather(handle, flat_input, output, buffer_dtype, inputs, dtypes, owners, split_numels)
+        self.sharded_state = ShardedState.GATHERING
         if not async_op or _SYNCHRONOUS:
             self.wait_for_unshard()
 
@@ -122,11 +147,12 @@ class FSDPParamGroup:
         pending, self._all_gather = self._all_gather, None
         if pending is None:
             return
+        assert_in_states(self.sharded_state, ShardedState.GATHERING, where=f"{self.name} wait_for_unshard")
         pending.handle.wait()
         destinations, index = [], 0
-        for fsdp_param, count in zip(self.fsdp_params, self._owners):
-            outs = fsdp_param.alloc_all_gather_outputs(self._all_gather_inputs[index:index + count],
-                                                       self._all_gather_dtypes[index:index + count])
+        for fsdp_param, count in zip(self.fsdp_params, pending.owners):
+            outs = fsdp_param.alloc_all_gather_outputs(pending.inputs[index:index + count],
+                                                       pending.dtypes[index:index + count])
             destinations += [o.view(pending.buffer_dtype).view(self.world_size, -1) for o in outs]
             index += count
         # Refilling storage that autograd may have saved in forward is not a mutation of the
@@ -134,24 +160,33 @@ class FSDPParamGroup:
         with torch.autograd._unsafe_preserve_version_counter(tuple(destinations)):
             torch.split_with_sizes_copy(pending.output.view(self.world_size, -1), pending.split_numels, dim=1,
                                         out=destinations)
+        collectives.release(pending.input)
+        collectives.release(pending.output)
         index = 0
-        for fsdp_param, count in zip(self.fsdp_params, self._owners):
-            fsdp_param.init_unsharded_param(pending.input_sizes[index:index + count])
+        for fsdp_param, count in zip(self.fsdp_params, pending.owners):
+            fsdp_param.init_unsharded_param([t.shape for t in pending.inputs[index:index + count]])
             fsdp_param.to_unsharded()
             index += count
-        self._all_gather_inputs = self._all_gather_dtypes = None
-        self.is_unsharded = True
+        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Point modules back at the sharded parameters and free the unsharded storage."""
         if self._all_gather is not None:
             self.wait_for_unshard()  # never leave a collective behind
-        if not self.is_unsharded:
+        if self.sharded_state != ShardedState.UNSHARDED:
             return
         for fsdp_param in self.fsdp_params:
             fsdp_param.to_sharded()
             fsdp_param.free_unsharded_param()
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
+
+    def reset(self) -> None:
+        """After an interrupted step: finish an issued all-gather (every rank issued it), free the
+        unsharded parameters and drop their unreduced gradients; the group is SHARDED again."""
+        self.wait_for_unshard()
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.reset()
+        self.sharded_state = ShardedState.SHARDED
 
     # -- gradients -------------------------------------------------------------------------
     def reduce_grads(self) -> _ReduceScatter | None:
@@ -172,10 +207,10 @@ class FSDPParamGroup:
                 grads.append(fsdp_param.padded_unsharded_grad(grad))
         if not params:
             return None
-        reduce_dtype = self.reduce_dtype or params[0].compute_dtype  # the wire (grad_comm_dtype) dtype
-        collectives.ensure_reducible(reduce_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
+        wire_dtype = self.wire_dtype or params[0].compute_dtype
+        collectives.ensure_reducible(wire_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
         split_numels = [g.numel() // self.world_size for g in grads]
-        flat_input = tag(torch.empty(sum(split_numels) * self.world_size, dtype=reduce_dtype, device=self.device),
+        flat_input = tag(torch.empty(sum(split_numels) * self.world_size, dtype=wire_dtype, device=self.device),
                          "comm_buffers")
         # rank r's chunk of the input holds rows [r*padded_rows, (r+1)*padded_rows) of every gradient
         columns = torch.split(flat_input.view(self.world_size, -1), split_numels, dim=1)
@@ -183,9 +218,9 @@ class FSDPParamGroup:
         del grads
         # the output becomes the sharded grads, unless they accumulate in another dtype: then it
         # is a temporary comm buffer, freed once its rows have been added (``_ReduceScatter.wait``)
-        temporary = any(accumulation_dtype(p.main_grads_dtype, p.compute_dtype, p.main_dtype) != reduce_dtype
-                        or p.main_dtype != reduce_dtype for p in params)
-        output = tag(torch.empty(sum(split_numels), dtype=reduce_dtype, device=self.device),
+        temporary = any(accumulation_dtype(p.main_grads_dtype, p.compute_dtype, p.master_dtype) != wire_dtype
+                        or p.master_dtype != wire_dtype for p in params)
+        output = tag(torch.empty(sum(split_numels), dtype=wire_dtype, device=self.device),
                      "comm_buffers" if temporary else "sharded_grads")
         op = "avg" if self.world_size > 1 else "sum"
         sync_points.fire("reduce_scatter", self.name)
@@ -193,7 +228,8 @@ class FSDPParamGroup:
                                                    meta={"module": self.name})
         if _SYNCHRONOUS:
             handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
-        return _ReduceScatter(handle, output, params, split_numels)
+        return _ReduceScatter(handle, flat_input, output, temporary, params, split_numels,
+                              self.replicate_group, self.name)
 
     # -- inspection --------------------------------------------------------------------------
     def unsharded_bytes(self) -> int:

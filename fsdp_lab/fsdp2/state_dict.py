@@ -5,78 +5,180 @@ is what ``torch.distributed.checkpoint`` saves and loads, one shard per rank). F
 plain PyTorch, ``get_full_state_dict`` all-gathers every DTensor (padding the uneven shards
 the same way FSDP2 does) and keeps the full tensors on rank 0; ``load_full_state_dict`` takes
 a full state dict (on rank 0, or on every rank) and copies each rank's rows into its shard.
+
+A tensor subclass that shards itself (``fsdp_shard``, e.g. ``NF4Tensor``) holds no rows, so
+it is gathered through its own FSDP2 hooks (``fsdp_pre_all_gather`` -> all-gather ->
+``fsdp_post_all_gather``, then ``fsdp_unpadded`` if it has one, which drops the padding a
+shard carries) and loaded with ``local.copy_(full)``: copying a whole tensor into a shard
+takes that shard's part of it. An NF4 weight therefore round-trips as an ``NF4Tensor`` equal,
+byte for byte, to ``to_nf4`` of the weight on one process, whatever the world size.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_lab import collectives
+from fsdp_lab.fsdp2.param import padded_rows
 
-__all__ = ["get_full_state_dict", "load_full_state_dict"]
+__all__ = ["get_full_state_dict", "load_full_state_dict", "full_tensor", "load_full_tensor"]
 
 
-def _gather_full(value: DTensor) -> torch.Tensor:
-    local = value.to_local()
-    world, rows = dist.get_world_size(), value.shape[0]
-    padded_rows = math.ceil(rows / world)
-    padded = local.new_zeros((padded_rows, *value.shape[1:]))
+def _shard_group(value: DTensor):
+    """The process group the DTensor is sharded over, this rank's index in it, and its size."""
+    mesh = value.device_mesh
+    return mesh.get_group(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+
+
+def _is_self_sharding(local: torch.Tensor) -> bool:
+    return hasattr(local, "fsdp_shard") and hasattr(local, "fsdp_pre_all_gather")
+
+
+def _gather_rows(value: DTensor) -> torch.Tensor:
+    group, _, world = _shard_group(value)
+    local = value.to_local().detach()
+    rows = value.shape[0]
+    rows_per_rank = padded_rows(rows, world)
+    padded = local.new_zeros((rows_per_rank, *value.shape[1:]))
     padded[: local.shape[0]].copy_(local)
-    full = local.new_empty((padded_rows * world, *value.shape[1:]))
-    collectives.all_gather_into_tensor(full, padded, name="all_gather", meta={"module": "state_dict"})
+    full = local.new_empty((rows_per_rank * world, *value.shape[1:]))
+    collectives.all_gather_into_tensor(full, padded, group=group, name="all_gather",
+                                       meta={"module": "state_dict"})
     return full[:rows]
 
 
-def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
-    """Every entry of ``model.state_dict()`` as a full plain tensor.
+def _gather_self_sharding(value: DTensor) -> torch.Tensor:
+    """The whole tensor from a subclass's shards, through its own all-gather hooks."""
+    group, _, world = _shard_group(value)
+    local = value.to_local()
+    stride = tuple(torch.empty(value.shape, device="meta").stride())
+    inputs, metadata = local.fsdp_pre_all_gather(value.device_mesh, value.shape, stride, None, None)
+    outputs = []
+    for piece in inputs:
+        piece = piece.contiguous().view(-1)
+        out = piece.new_empty(piece.numel() * world)
+        collectives.all_gather_into_tensor(out, piece, group=group, name="all_gather",
+                                           meta={"module": "state_dict"})
+        outputs.append(out)
+    full, _ = local.fsdp_post_all_gather(tuple(outputs), metadata, None)
+    return full.fsdp_unpadded() if hasattr(full, "fsdp_unpadded") else full
 
-    Every rank must call it (it all-gathers). With ``rank0_only`` other ranks get ``{}``.
-    ``cpu`` moves the tensors to CPU.
+
+@torch.no_grad()
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a ``fully_shard``-ed parameter (or ``value`` itself if not a DTensor).
+
+    Like ``DTensor.full_tensor()``, but it also gathers tensor subclasses that shard
+    themselves (an NF4 weight comes back as a whole ``NF4Tensor``). Every rank of the
+    parameter's mesh must call it (it all-gathers).
+    """
+    if not isinstance(value, DTensor):
+        return value.detach()
+    if _is_self_sharding(value.to_local()):
+        return _gather_self_sharding(value)
+    return _gather_rows(value)
+
+
+def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
+    """Every entry of ``model.state_dict()`` as a whole tensor.
+
+    Plain DTensors become plain tensors; NF4 weights become whole ``NF4Tensor``s (quantized
+    bytes, bit-identical to ``to_nf4`` of the weight on one process; ``.dequantize()`` one for
+    floats). Every rank must call it (it all-gathers). With ``rank0_only`` other ranks get
+    ``{}``. ``cpu`` moves the tensors to CPU. Raises RuntimeError naming the entry if one
+    cannot be gathered.
     """
     full = {}
     for key, value in model.state_dict().items():
-        tensor = _gather_full(value) if isinstance(value, DTensor) else value.detach()
+        try:
+            tensor = full_tensor(value)
+        except (NotImplementedError, ValueError) as error:
+            kind = type(value.to_local() if isinstance(value, DTensor) else value).__name__
+            raise RuntimeError(f"get_full_state_dict: cannot gather {key!r} ({kind} "
+                               f"shards from fsdp_lab.fsdp2.fully_shard): {error}") from error
         full[key] = tensor.cpu() if cpu else tensor
-    if rank0_only and dist.get_rank() != 0:
+    if rank0_only and torch.distributed.get_rank() != 0:
         return {}
     return full
+
+
+def _local_device(target: torch.Tensor) -> torch.device:
+    return target.to_local().device if isinstance(target, DTensor) else target.device
+
+
+def _broadcast_source(key: str, target: torch.Tensor, full_state_dict) -> torch.Tensor:
+    """Rank 0's entry ``key`` on every rank (shaped and typed like ``target``)."""
+    rank = torch.distributed.get_rank()
+    if isinstance(target, DTensor) and _is_self_sharding(target.to_local()):
+        # A whole subclass tensor of the right inner sizes on every rank, then rank 0's bytes.
+        source = _gather_self_sharding(target)
+        if rank == 0:
+            source.copy_(_entry(full_state_dict, key).to(source.device))
+        names, _ = source.__tensor_flatten__()
+        for name in names:
+            inner = getattr(source, name)
+            if inner.numel():
+                collectives.broadcast(inner, 0, meta={"module": "state_dict"})
+        return source
+    if rank == 0:
+        source = _entry(full_state_dict, key).to(device=_local_device(target), dtype=target.dtype)
+    else:
+        source = torch.empty(target.shape, dtype=target.dtype, device=_local_device(target))
+    source = source.contiguous()
+    collectives.broadcast(source, 0, meta={"module": "state_dict"})
+    return source
+
+
+def _entry(full_state_dict, key: str) -> torch.Tensor:
+    if full_state_dict is None:
+        raise ValueError("load_full_state_dict got full_state_dict=None; pass the state dict (on rank 0 "
+                         "at least, with broadcast_from_rank0=True)")
+    if key not in full_state_dict:
+        raise KeyError(f"{key!r} is missing from the full state dict")
+    return full_state_dict[key]
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None, *,
                          broadcast_from_rank0: bool = False) -> None:
-    """Copy full tensors into the (sharded) ``model`` in place.
+    """Copy whole tensors into the (sharded) ``model`` in place.
 
+    Each rank keeps its rows; an NF4 shard takes its blocks of a whole ``NF4Tensor`` (one
+    saved at any world size) or quantizes a float tensor with its own block sizes.
     ``broadcast_from_rank0``: only rank 0's ``full_state_dict`` is read (others may pass None)
     and each tensor is broadcast. Raises KeyError for a missing key and ValueError for a
-    shape mismatch.
+    shape mismatch or an NF4 entry with other block sizes.
     """
     for key, target in model.state_dict().items():
         if broadcast_from_rank0:
-            if dist.get_rank() == 0:
-                source = full_state_dict[key].to(device=target.device if not isinstance(target, DTensor)
-                                                 else target.to_local().device, dtype=target.dtype)
-            else:
-                device = target.to_local().device if isinstance(target, DTensor) else target.device
-                source = torch.empty(target.shape, dtype=target.dtype, device=device)
-            source = source.contiguous()
-            collectives.broadcast(source, 0, meta={"module": "state_dict"})
+            source = _broadcast_source(key, target, full_state_dict)
         else:
-            if key not in full_state_dict:
-                raise KeyError(f"{key!r} is missing from the full state dict")
-            source = full_state_dict[key]
+            source = _entry(full_state_dict, key)
         if tuple(source.shape) != tuple(target.shape):
             raise ValueError(f"{key}: the full state dict has shape {tuple(source.shape)}, the model "
                              f"{tuple(target.shape)}")
-        if isinstance(target, DTensor):
-            local = target.to_local()
-            padded_rows = math.ceil(target.shape[0] / dist.get_world_size())
-            start = dist.get_rank() * padded_rows
-            local.copy_(source[start:start + local.shape[0]])
-        else:
-            target.copy_(source)
+        try:
+            load_full_tensor(target, source)
+        except ValueError as error:
+            raise ValueError(f"{key}: {error}") from error
+
+
+@torch.no_grad()
+def load_full_tensor(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy the whole tensor ``source`` into ``target`` (a ``fully_shard``-ed DTensor keeps
+    this rank's part; anything else is copied whole). No communication. Raises ValueError
+    for a shape mismatch, or an NF4 source of other block sizes."""
+    if tuple(source.shape) != tuple(target.shape):
+        raise ValueError(f"a tensor of shape {tuple(source.shape)} cannot load into one of {tuple(target.shape)}")
+    if not isinstance(target, DTensor):
+        target.copy_(source)
+        return
+    local = target.to_local()
+    if _is_self_sharding(local):
+        local.copy_(source.to(local.device))  # the subclass takes its own part of the whole
+        return
+    _, rank, world = _shard_group(target)
+    start = rank * padded_rows(target.shape[0], world)
+    local.copy_(source[start:start + local.shape[0]])
