@@ -23,6 +23,7 @@ from fsdp_lab.compare import compare  # noqa: E402  (same reason: module and fun
 # public name -> module that defines it, loaded on first use
 _EXPORTS = {
     "init_distributed": "fsdp_lab.dist",
+    "exit_distributed": "fsdp_lab.dist",
     "simulated_world": "fsdp_lab.dist",
     "current_device": "fsdp_lab.dist",
     "Timeline": "fsdp_lab.timeline",

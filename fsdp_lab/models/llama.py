@@ -241,7 +241,8 @@ class Llama(nn.Module):
         in float32 on ``generator_device`` in ``named_parameters()`` order and copied into the
         parameter's own device and dtype, so values do not depend on the global RNG or on where
         the model lives. The rotary tables are recomputed too. Tensors on the meta device are
-        skipped. Returns self.
+        skipped. Under ``fsdp_lab.fsdp2.fully_shard`` (after ``to_empty``) each rank keeps its rows
+        of every draw: the same values as one process, one whole parameter at a time. Returns self.
         """
         generator = torch.Generator(device=generator_device).manual_seed(seed)
         for name, param in self.named_parameters():
@@ -251,7 +252,13 @@ class Llama(nn.Module):
                 param.fill_(1.0)
             else:
                 values = torch.empty(param.shape, dtype=torch.float32, device=generator_device)
-                param.copy_(values.normal_(0.0, INIT_STD, generator=generator))
+                values.normal_(0.0, INIT_STD, generator=generator)
+                if hasattr(param, "device_mesh"):  # an FSDP2 shard: keep this rank's rows
+                    from fsdp_lab.fsdp2.state_dict import load_full_tensor
+
+                    load_full_tensor(param, values.to(param.dtype))
+                else:
+                    param.copy_(values)
         if not self.rope_cos.is_meta:
             cfg = self.config
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
