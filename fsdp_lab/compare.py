@@ -29,6 +29,8 @@ from typing import Any, Iterable
 
 import torch
 
+from fsdp_lab.launch import launch
+
 __all__ = ["RunConfig", "CompareResult", "compare", "build_run", "run_on_rank", "profiler_collective_order"]
 
 IMPLEMENTATIONS = ("fsdp1", "fsdp2", "torch_fsdp2")
@@ -242,7 +244,7 @@ def run_on_rank(configs: list[RunConfig], model_name: str, steps: int, batch_siz
         results.append({"name": config.name, "losses": losses, "step_seconds": times, "peak": peak,
                         "timeline": timeline, "num_params": num_params,
                         "data_seed": data_seed})
-        del model, optimizer
+        del model, optimizer, units  # nothing of this run may outlive it into the next one
     return results
 
 
@@ -362,8 +364,6 @@ def compare(runs: list, *, model: str = "cpu", steps: int = 3, world_size: int =
             duplicate names, steps < 2, a batch not divisible by world_size, a bad setting.
         TypeError: a run that is neither a dict nor a RunConfig, or has unknown settings.
     """
-    import fsdp_lab
-
     configs = [_as_config(r) for r in runs]
     if not configs:
         raise ValueError("compare needs at least one run")
@@ -379,7 +379,7 @@ def compare(runs: list, *, model: str = "cpu", steps: int = 3, world_size: int =
         raise ValueError("refusing to compare runs that train different things: " + "; ".join(problems)
                          + ". Make the runs use the same model and data, or pass allow_mismatch=True "
                          "to compare them anyway (the numbers will not mean what they seem to)")
-    per_rank = fsdp_lab.launch(run_on_rank, configs, model, steps, batch_size, seq_len, seed, lr,
+    per_rank = launch(run_on_rank, configs, model, steps, batch_size, seq_len, seed, lr,
                                world_size=world_size, timeout=timeout)
     from fsdp_lab.timeline import Timeline
 

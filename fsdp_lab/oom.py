@@ -7,6 +7,9 @@
   asymmetric OOM (rank 1 fails in backward, rank 0 does not) runs on real gloo collectives.
 * ``inject_oom(point, rank=...)``: raise ``torch.OutOfMemoryError`` at a named sync point
   (``fsdp_lab.sync_points``) on one rank, for fault-injection tests.
+* ``memory_budget(..., fail_at=("backward", n))``: raise at the n-th allocation made in a phase
+  (an OOM in the middle of forward or backward, not at a sync point); ``retry_above=`` counts
+  emulated allocator retries (``BudgetTracker.alloc_retries``), as CUDA's ``num_alloc_retries``.
 * ``agree(oom)`` and ``sync_hook``: the consensus (as in Composer): MAX of "I ran out of
   memory", MIN of "I am done with the batch" — one two-element MAX all-reduce, since
   MIN(done) = 1 - MAX(not done). Ranks still
@@ -49,9 +52,14 @@ class BudgetTracker(MemoryTracker):
     optimizer state): the budget is the whole emulated device. ``failures`` counts raises.
     """
 
-    def __init__(self, model=None, optimizer=None, *, budget: int | None, **kwargs):
+    def __init__(self, model=None, optimizer=None, *, budget: int | None,
+                 fail_at: tuple[str, int] | None = None, retry_above: int | None = None, **kwargs):
         super().__init__(model, optimizer, **kwargs)
         self.budget = budget
+        self.fail_at = fail_at          # (phase prefix, n): the n-th allocation in that phase raises
+        self.retry_above = retry_above  # allocations taking the total past this count a retry
+        self.alloc_retries = 0
+        self._phase_allocations = 0
         self.failures = 0
         self.failed_at: str | None = None
         self._armed = False
@@ -71,6 +79,20 @@ class BudgetTracker(MemoryTracker):
 
     def _add(self, info, nbytes: int) -> None:
         super()._add(info, nbytes)
+        if not self._armed or self._suspended or nbytes <= 0:
+            return
+        if self.retry_above is not None and self._total > self.retry_above >= self._total - nbytes:
+            # CUDA's caching allocator, short of cached blocks, frees its cache and calls
+            # cudaMalloc again (num_alloc_retries); here: crossing the line counts one retry
+            self.alloc_retries += 1
+        if self.fail_at is not None and self._label.startswith(self.fail_at[0]):
+            self._phase_allocations += 1
+            if self._phase_allocations == self.fail_at[1]:
+                self.failures += 1
+                self.failed_at = self._label
+                raise torch.OutOfMemoryError(
+                    f"injected out of memory at allocation {self.fail_at[1]} of phase {self.fail_at[0]!r} "
+                    f"({self._label}), allocating {_mib(nbytes)} (fsdp_lab.oom.memory_budget fail_at)")
         if (self._armed and not self._suspended and self.budget is not None and nbytes > 0
                 and self._total > self.budget):
             self.failures += 1
@@ -96,18 +118,29 @@ def _rank() -> int:
 
 @contextlib.contextmanager
 def memory_budget(nbytes: int | None, rank: int | Iterable[int] | None = None, *, model=None,
-                  optimizer=None, device=None) -> Iterator[BudgetTracker]:
+                  optimizer=None, device=None, fail_at: tuple[str, int] | None = None,
+                  retry_above: int | None = None) -> Iterator[BudgetTracker]:
     """Emulate a device of ``nbytes`` bytes on ``rank`` (an int, several ranks, or None = every rank).
 
     Yields the ``BudgetTracker`` (a ``MemoryTracker``: ``current()``, ``peak()`` ...). On other
     ranks it only tracks. Pass ``model``/``optimizer`` to have their tensors counted by
-    category. Raises ValueError for a budget that is not a positive int.
+    category. ``fail_at=(phase, n)`` (on ``rank`` only) raises ``torch.OutOfMemoryError`` at the
+    n-th allocation made while the tracker's phase label starts with ``phase`` ("forward",
+    "backward"; labels need ``model``), once: an OOM in the middle of an allocation, not at a
+    sync point. ``retry_above`` bytes: every allocation taking the total past it adds one to
+    ``tracker.alloc_retries`` (an emulated caching-allocator retry). Raises ValueError for a
+    budget that is not a positive int or a bad ``fail_at``.
     """
+    if fail_at is not None and not (isinstance(fail_at, tuple) and len(fail_at) == 2
+                                    and isinstance(fail_at[0], str) and isinstance(fail_at[1], int)
+                                    and fail_at[1] >= 1):
+        raise ValueError(f"fail_at takes (phase, n) with n >= 1, e.g. ('backward', 3); got {fail_at!r}")
     if nbytes is not None and (not isinstance(nbytes, int) or nbytes <= 0):
         raise ValueError(f"memory_budget takes a positive number of bytes (or None), got {nbytes!r}")
     ranks = None if rank is None else ({rank} if isinstance(rank, int) else set(rank))
     applies = ranks is None or _rank() in ranks
-    tracker = BudgetTracker(model, optimizer, budget=nbytes if applies else None, device=device)
+    tracker = BudgetTracker(model, optimizer, budget=nbytes if applies else None, device=device,
+                            fail_at=fail_at if applies else None, retry_above=retry_above)
     with tracker:
         yield tracker
 

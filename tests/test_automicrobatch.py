@@ -59,8 +59,6 @@ def _max_diff(model, ref):
 def _inject_run(point, skip, fail_rank, ref, impl):
     from fsdp_lab.automicrobatch import AutoMicrobatch
     from fsdp_lab.oom import inject_oom, memory_budget
-    import gc
-    gc.collect()  # earlier cases' models (kept by reference cycles) must not die inside the tracker
     model, opt = _setup(impl=impl)
     with memory_budget(None, model=model, optimizer=opt) as tracker:
         amb = AutoMicrobatch(model, opt, B)

@@ -20,6 +20,7 @@ def table():
 EXPECTED_COUNTS = {
     "block": (1 + 2 * LAYERS, 1 + LAYERS),
     "block sync": (1 + 2 * LAYERS, 1 + LAYERS),
+    "block again": (1 + 2 * LAYERS, 1 + LAYERS),
     "explicit": (1 + 2 * LAYERS, 1 + LAYERS),
     "no prefetch": (1 + 2 * LAYERS, 1 + LAYERS),
     "two_blocks": (1 + 2 * (LAYERS // 2), 1 + LAYERS // 2),
@@ -73,6 +74,18 @@ def test_unsharded_memory_counts_the_gathered_units(table):
     # FSDP1 BACKWARD_PRE gathers the next block before freeing this one: one more unit
     assert unsharded("fsdp1 pre") == root + 2 * block
     assert unsharded("fsdp1 none") == root + block
+
+
+def test_each_run_is_measured_as_if_alone(table):
+    """The last run repeats the first after fourteen other models were built and dropped in the
+    same ranks: every category reads the same, and a whole-model unit holds exactly half the
+    parameters (2 ranks, nothing padded), not the shards of runs before it."""
+    first, again = table.row("block"), table.row("block again")
+    assert again["peak_by_category"] == first["peak_by_category"]
+    assert again["peak_total_mib"] == first["peak_total_mib"]
+    half = FP32 * (ROOT_NUMEL + LAYERS * LAYER_NUMEL) // 2
+    for name in ("model", "fsdp1 model", "block", "fsdp1 pre"):
+        assert table.row(name)["peak_by_category"]["sharded_params"] == half, name
 
 
 def test_losses_equal_plain_training_and_each_other(table):

@@ -1,5 +1,6 @@
 """MemoryTracker: exact bytes per category on a model whose sizes are worked out by hand."""
 
+import contextlib
 import pickle
 
 import pytest
@@ -171,3 +172,93 @@ def test_tracking_does_not_change_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for plain, tracked in zip(*grads):
         torch.testing.assert_close(tracked, plain, rtol=0, atol=0)
+
+
+def test_peak_categories_do_not_depend_on_reused_addresses():
+    """A temporary alive at the peak and freed before backward must not turn into a gradient in
+    ``peak()`` because a later gradient's storage happens to reuse its address."""
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    for _ in range(8):  # the allocator reuses addresses most of the time, not always
+        model = Llama("cpu", seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        batch = global_batch(model.config.vocab_size, 4, 128)
+        for tracked in (False, True):  # the first step creates AdamW's state
+            with MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as mt:
+                model(batch).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert mt.result().peak_label.startswith("forward")  # activations peak before any gradient
+        assert mt.peak()["grads"] == 0
+
+
+def _owned_case(name: str):
+    """A sharded model, its optimizer and one step (``name``: fsdp1/fsdp2, optionally +offload)."""
+    from fsdp_lab.models.llama import Llama, TransformerBlock
+
+    model = Llama("cpu", seed=0)
+    if name.startswith("fsdp2"):
+        from fsdp_lab.fsdp2 import CPUOffloadPolicy, OffloadPolicy, fully_shard
+        policy = CPUOffloadPolicy(pin_memory=False) if "offload" in name else OffloadPolicy()
+        for block in model.layers:
+            fully_shard(block, offload_policy=policy)
+        fully_shard(model, offload_policy=policy)
+    else:
+        from fsdp_lab.fsdp1 import CPUOffload, FullyShardedDataParallel, ModuleWrapPolicy
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                                         cpu_offload=CPUOffload(offload_params="offload" in name))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+
+def _tracked_step(model, opt):
+    from fsdp_lab.models.data import global_batch
+
+    def step(i):
+        batch = global_batch(model.config.vocab_size, 2, 32, seed=torch.distributed.get_rank(), step=i)
+        model(batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)
+    with MemoryTracker(model, opt) as mt:
+        step(1)
+    return mt.result()
+
+
+def _rank_owned_storages_only(names):
+    """Each case measured first, then again after every case was built, stepped and dropped while
+    kept alive by a reference cycle (collector off), with another sharded model alive meanwhile."""
+    import gc
+
+    def measure(name):
+        model, opt = _owned_case(name)
+        r = _tracked_step(model, opt)
+        return r.peak, r.peak_total, r.current
+
+    first = {name: measure(name) for name in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for name in names:  # dropped, but held by a cycle until the collector runs
+            model, opt = _owned_case(name)
+            _tracked_step(model, opt)
+            model._kept_alive_by = (model, opt)
+            del model, opt
+        alive, alive_opt = _owned_case(names[0])  # another model, alive while we measure
+        _tracked_step(alive, alive_opt)
+        again = {name: measure(name) for name in names}
+    finally:
+        gc.enable()
+    return first, again
+
+
+def test_tracker_counts_only_the_tracked_models_storages():
+    """FSDP1 and FSDP2, with and without CPU offload, on 2 ranks: the per-category bytes (peak
+    and at the end) equal those of the same run before any other model existed."""
+    from fsdp_lab import launch
+
+    names = ["fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload"]
+    for rank, (first, again) in enumerate(launch(_rank_owned_storages_only, names, world_size=2, timeout=300)):
+        for name in names:
+            assert again[name] == first[name], f"rank {rank}, {name}: {again[name]} != {first[name]}"

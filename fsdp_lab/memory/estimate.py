@@ -372,8 +372,6 @@ def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, s
     if strategy not in MEASURABLE:
         raise ValueError(f"strategy {strategy!r} cannot be measured by measure_step; use one of "
                          f"{', '.join(MEASURABLE)}")
-    import gc
-    gc.collect()  # an earlier model held in reference cycles would still count as live memory
     device = current_device()
     model = Llama(config, seed=seed).to(device=device, dtype=param_dtype)
     if qlora:

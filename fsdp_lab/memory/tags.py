@@ -10,6 +10,9 @@ with it, and a storage shared by several views carries one tag. A later ``tag`` 
 the same storage overrides the earlier one (a buffer can change role, e.g. the unsharded
 parameter that an all-gather output becomes).
 
+A ``MemoryTracker`` that is running hears every ``tag`` call at once (``add_listener``), so a
+storage is counted in its new role from the moment it is tagged, not from the next phase boundary.
+
 ``tag_scope(category)`` sets a default category for storages *allocated* inside the
 ``with`` block that nobody tagged explicitly; the tracker reads it with ``current_scope``.
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -41,6 +44,8 @@ CATEGORIES: tuple[str, ...] = (
 
 _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _scope = threading.local()
+_open_scopes = 0  # tag_scope blocks open in any thread
+_listeners: list[Callable[[torch.UntypedStorage, str], None]] = []
 
 
 def _check_category(category: str) -> None:
@@ -59,6 +64,8 @@ def tag(tensor: torch.Tensor, category: str) -> torch.Tensor:
     _check_category(category)
     for storage in _storages(tensor):
         _tags[storage] = category
+        for listener in _listeners:
+            listener(storage, category)
     return tensor
 
 
@@ -66,6 +73,17 @@ def untag(tensor: torch.Tensor) -> None:
     """Forget the tag of every storage behind ``tensor`` (no error if none)."""
     for storage in _storages(tensor):
         _tags.pop(storage, None)
+
+
+def add_listener(listener: Callable[[torch.UntypedStorage, str], None]) -> None:
+    """Call ``listener(storage, category)`` on every later ``tag`` until ``remove_listener``."""
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Callable[[torch.UntypedStorage, str], None]) -> None:
+    """Stop calling ``listener`` (no error if it was not added)."""
+    if listener in _listeners:
+        _listeners.remove(listener)
 
 
 def category_of(storage: torch.UntypedStorage) -> str | None:
@@ -76,17 +94,22 @@ def category_of(storage: torch.UntypedStorage) -> str | None:
 @contextlib.contextmanager
 def tag_scope(category: str) -> Iterator[None]:
     """Within the block, storages allocated and not tagged explicitly default to ``category``."""
+    global _open_scopes
     _check_category(category)
     stack = _scope.__dict__.setdefault("stack", [])
     stack.append(category)
+    _open_scopes += 1
     try:
         yield
     finally:
+        _open_scopes -= 1
         stack.pop()
 
 
 def current_scope() -> str | None:
     """The innermost ``tag_scope`` category of this thread, or None."""
+    if not _open_scopes:  # asked once per new storage while tracking: the common answer is cheap
+        return None
     stack = getattr(_scope, "stack", None)
     return stack[-1] if stack else None
 

@@ -7,9 +7,13 @@ object removes its bytes the moment the storage dies. ``UntypedStorage.resize_``
 frees and refills unsharded parameters) bypasses dispatch, so it is patched while tracking.
 Nothing here asks the allocator, which is why it works on CPU, on CUDA and on fake tensors.
 
+What existed before tracking started counts only if the tracked model or optimizer holds it
+(``memory.ownership``): storages of a model dropped earlier but not yet collected, or of
+another live model, never count, so a run reads the same as in a fresh process.
+
 A storage's category, strongest first:
 
-1. an explicit tag (``fsdp_lab.memory.tags.tag``), re-read at every phase boundary;
+1. an explicit tag (``fsdp_lab.memory.tags.tag``), from the moment it is set;
 2. ``params``: the model's parameters; ``grads``: their ``.grad``; ``optimizer_state``: the
    tensors in ``optimizer.state``;
 3. ``activations``: saved for backward (seen by ``saved_tensors_hooks``) while still saved;
@@ -28,9 +32,11 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from fsdp_lab.memory import tags
+from fsdp_lab.memory.ownership import reachable_storage_ids
 from fsdp_lab.memory.results import MemoryResult, cuda_stats, format_rows, merge_ranks  # noqa: F401
 from fsdp_lab.memory.tags import CATEGORIES
 
@@ -43,20 +49,32 @@ _WRAPPER_TYPES: dict[type, bool] = {}
 _PASSTHROUGH_OPS = {torch.ops.aten.detach.default}
 
 
-class _Info:
-    """What the tracker knows about one live storage."""
+class _Info(weakref.ref):
+    """What the tracker knows about one live storage; also the weak reference whose callback
+    tells the tracker that the storage died (one object per storage keeps tracking cheap)."""
 
-    __slots__ = ("key", "nbytes", "base", "saved", "ref", "__weakref__")
+    __slots__ = ("key", "nbytes", "base", "saved", "tracker_ref")
 
-    def __init__(self, key: int, nbytes: int, base: str):
+    def __new__(cls, storage, key: int, nbytes: int, base: str, tracker_ref):
+        return super().__new__(cls, storage, _storage_died)
+
+    def __init__(self, storage, key: int, nbytes: int, base: str, tracker_ref):
+        super().__init__(storage, _storage_died)
         self.key, self.nbytes, self.base, self.saved = key, nbytes, base, 0
-        self.ref = None
+        # a weak reference: the callback must not keep the tracker (and all its infos) alive
+        self.tracker_ref = tracker_ref
 
     @property
     def category(self) -> str:
         if self.saved and self.base == "temporaries":
             return "activations"
         return self.base
+
+
+def _storage_died(info: _Info) -> None:
+    tracker = info.tracker_ref()
+    if tracker is not None:
+        tracker._free(info.key)
 
 
 class _Saved:
@@ -106,7 +124,7 @@ class MemoryTracker(TorchDispatchMode):
             device = param.device if param is not None else "cpu"
         self.device = torch.device(device)
         self._device_type = self.device.type
-        modules = dict(model.named_modules()) if model is not None else {}
+        modules = _modules_by_name(model) if model is not None else {}
         if phase_modules is None:
             phase_modules = [n for n, m in modules.items() if n and _is_phase_module(n, m, modules)]
         missing = [n for n in phase_modules if n not in modules]
@@ -128,14 +146,21 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_totals = dict(self._totals)
         self._peak_temps: set[int] = set()
         self._peak_label = "start"
+        self._at_peak = False  # the running total is the peak and its breakdown is not copied yet
+        self._self_ref = weakref.ref(self)
         self._label = "start"
         self._timeline: list[tuple[str, dict[str, int]]] = []
         self._handles: list = []
         self._cuda: dict[str, int] = {}
         self._active = False
+        self._count_fake = False
 
-    def _see(self, t: torch.Tensor, base: str | None) -> _Info | None:
-        """Register the storage behind ``t`` if new (category ``base``, or inferred)."""
+    def _see(self, t: torch.Tensor, base: str | None, fresh: bool = False) -> _Info | None:
+        """Register the storage behind ``t`` if new (category ``base``, or inferred).
+
+        ``fresh``: ``t`` is the output of an op whose inputs were seen already, so a storage
+        unknown so far was allocated by that op and cannot carry a tag yet.
+        """
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested: no single storage to count
@@ -145,27 +170,19 @@ class MemoryTracker(TorchDispatchMode):
             return info
         if t.device.type != self._device_type:  # checked only for new storages: it is slow
             return None
-        return self._see_storage(st, base)
+        if not self._count_fake and isinstance(t, FakeTensor):
+            return None  # e.g. DTensor propagating shardings on fake tensors: no memory behind them
+        return self._see_storage(st, base, look_up_tag=not fresh)
 
-    def _see_storage(self, st, base: str | None) -> _Info:
+    def _see_storage(self, st, base: str | None, look_up_tag: bool = True) -> _Info:
         key = st._cdata
         info = self._live.get(key)
         if info is not None:
             return info
-        tagged = tags.category_of(st) if tags._tags else None  # the lookup is slow; skip when no tags
+        tagged = tags.category_of(st) if look_up_tag and tags._tags else None  # the lookup is slow
         base = tagged or base or tags.current_scope() or "temporaries"
-        info = _Info(key, st.nbytes(), base)
-        live = self._live
-        # the callback must not keep the tracker alive (it would keep all infos alive)
-        tracker_ref = weakref.ref(self)
-
-        def on_free(_, key=key, tracker_ref=tracker_ref):
-            tracker = tracker_ref()
-            if tracker is not None:
-                tracker._free(key)
-
-        info.ref = weakref.ref(st, on_free)
-        live[key] = info
+        info = _Info(st, key, st.nbytes(), base, self._self_ref)
+        self._live[key] = info
         self._add(info, info.nbytes)
         return info
 
@@ -179,18 +196,28 @@ class MemoryTracker(TorchDispatchMode):
         if cat == "temporaries":
             self._temps.add(info.key)
         if self._total > self._peak_total:
+            # copying the breakdown at every new high would cost O(live storages) per
+            # allocation; it is copied once, just before the total leaves the peak
             self._peak_total = self._total
-            self._peak_totals = dict(self._totals)
-            self._peak_temps = set(self._temps)
             self._peak_label = self._label
+            self._at_peak = True
+
+    def _copy_peak(self) -> None:
+        """The running breakdown is the peak's: keep a copy before it changes."""
+        self._peak_totals = dict(self._totals)
+        self._peak_temps = set(self._temps)
+        self._at_peak = False
 
     def _free(self, key: int) -> None:
         info = self._live.pop(key, None)
         if info is None:
             return
+        if self._at_peak:
+            self._copy_peak()
         self._totals[info.category] -= info.nbytes
         self._total -= info.nbytes
         self._temps.discard(key)
+        self._peak_temps.discard(key)  # the address may be reused by a storage that becomes a grad
 
     def _change(self, info: _Info, base: str | None = None, saved_delta: int = 0) -> None:
         """Move a storage to its new category (and fix the peak if it was a temporary then)."""
@@ -201,6 +228,8 @@ class MemoryTracker(TorchDispatchMode):
         new = info.category
         if new == old:
             return
+        if self._at_peak and old != "temporaries":  # (a temporary's new role counts at the peak anyway)
+            self._copy_peak()
         self._totals[old] -= info.nbytes
         self._totals[new] += info.nbytes
         if self._totals[new] > self._max[new]:
@@ -225,6 +254,8 @@ class MemoryTracker(TorchDispatchMode):
             if delta > 0:
                 self._add(info, delta)
             else:
+                if self._at_peak:
+                    self._copy_peak()
                 self._totals[info.category] += delta
                 self._total += delta
 
@@ -238,27 +269,30 @@ class MemoryTracker(TorchDispatchMode):
                 if info is not None and info.base != base and not _tagged(inner):
                     self._change(info, base=base)
 
-    def _refresh_tags(self) -> None:
-        for st, cat in list(tags._tags.items()):
-            info = self._live.get(st._cdata)
-            if info is not None and info.base != cat:
-                self._change(info, base=cat)
+    def _on_tag(self, st, category: str) -> None:
+        """A storage was tagged while tracking: count it in its new role from now on."""
+        if st.device.type != self._device_type:
+            return
+        info = self._live.get(st._cdata)
+        if info is None:
+            self._see_storage(st, category)
+        elif info.base != category:
+            self._change(info, base=category)
 
     def _mark(self, label: str) -> None:
-        """A phase boundary: re-read tags and record a timeline point."""
+        """A phase boundary: record a timeline point."""
         if not self._active:  # a tensor hook firing after the tracker exited
             return
-        self._refresh_tags()
         self._label = label
         self._timeline.append((label, dict(self._totals)))
 
     # ---- hooks -------------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor):
-        info = None
-        if _is_plain(t):
-            info = self._see(t, None)
-        if info is None:
+        info = self._see(t, None) if _is_plain(t) else None
+        if info is None or (info.base != "temporaries" and t.grad_fn is None):
+            # only a temporary's category depends on being saved; a tensor without grad_fn can
+            # be kept as it is (no cycle through autograd's graph), sparing a detach per save
             return t
         self._change(info, saved_delta=1)
         return _Saved(t.detach(), info, self)
@@ -318,8 +352,11 @@ class MemoryTracker(TorchDispatchMode):
             self._classify(self.model.buffers(), "other")
         if self.optimizer is not None:
             self._classify(_state_tensors(self.optimizer), "optimizer_state")
+        # tagged storages of the tracked model only: a model dropped earlier but not yet
+        # collected, or another live model, holds tagged storages too
+        owned = reachable_storage_ids([self.model, self.optimizer]) if tags._tags else set()
         for st, cat in list(tags._tags.items()):
-            if st.device.type == self._device_type:
+            if st.device.type == self._device_type and st._cdata in owned:
                 self._see_storage(st, cat)
 
     # ---- context manager ---------------------------------------------------------------
@@ -327,6 +364,9 @@ class MemoryTracker(TorchDispatchMode):
     def __enter__(self):
         self._reset()
         self._active = True
+        # fake tensors are the measurement when the caller runs under FakeTensorMode; otherwise
+        # they are some library's internal tracing and hold no memory
+        self._count_fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         self._register_existing()
         self._install_hooks()
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -343,11 +383,13 @@ class MemoryTracker(TorchDispatchMode):
         if self._device_type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        tags.add_listener(self._on_tag)
         self._mark("start")
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        tags.remove_listener(self._on_tag)
         torch.UntypedStorage.resize_ = self._orig_resize
         self._saved_hooks.__exit__(*exc)
         for handle in self._handles:
@@ -374,20 +416,25 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in _PASSTHROUGH_OPS:
             return out
-        see = self._see
-        for a in args:
-            if type(a) in (list, tuple):
+        see, live = self._see, self._live
+        for a in args:  # a storage unknown here existed before tracking (the batch, ...)
+            if isinstance(a, torch.Tensor):
+                try:
+                    known = a.untyped_storage()._cdata in live
+                except (RuntimeError, NotImplementedError):  # sparse, nested: nothing to count
+                    known = True
+                if not known:
+                    see(a, "other")
+            elif type(a) in (list, tuple):
                 for x in a:
                     if isinstance(x, torch.Tensor):
                         see(x, "other")
-            elif isinstance(a, torch.Tensor):
-                see(a, "other")
         if isinstance(out, torch.Tensor):
-            see(out, None)
+            see(out, None, True)
         elif type(out) in (list, tuple):
             for x in out:
                 if isinstance(x, torch.Tensor):
-                    see(x, None)
+                    see(x, None, True)
         if func in _RESIZING_OPS:
             self._resized(args[0].untyped_storage())
         return out
@@ -396,6 +443,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def peak(self) -> dict[str, int]:
         """{category: bytes} at the moment the tracked total was highest."""
+        if self._at_peak:
+            self._copy_peak()
         return dict(self._peak_totals)
 
     def peak_total(self) -> int:
@@ -429,8 +478,20 @@ class MemoryTracker(TorchDispatchMode):
                             cuda=dict(self._cuda))
 
 
+def _modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()`` plus the same names without FSDP1's ``_fsdp_wrapped_module``
+    step, so ``layers.0`` is found in a wrapped model too (the outer wrapper, whose forward
+    includes the all-gather, wins over the module it wraps)."""
+    named = dict(model.named_modules())
+    clean: dict[str, nn.Module] = {}
+    for name, module in named.items():
+        short = name.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".")
+        clean.setdefault(short, module)
+    return clean | named
+
+
 def _is_phase_module(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> bool:
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or "_fsdp_wrapped_module" in name:
         return False
     parent = name.rpartition(".")[0]
     if not parent:
