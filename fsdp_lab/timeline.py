@@ -7,9 +7,11 @@ events of ranks on one machine line up.
 * Compute events come from module hooks (``Timeline.attach``: forward and backward of each
   unit) and from ``Timeline.span(name)`` blocks (e.g. the optimizer step).
 * Comm events are opened by ``fsdp_lab.collectives`` for every collective issued while a
-  timeline is active. An async collective's end is taken when it completes, not when it is
-  waited on: on CPU gloo from its future's completion callback (gloo work objects report
-  no durations), on CUDA from CUDA events recorded on the issuing stream.
+  timeline is active (entering the ``with`` block registers the timeline as the
+  collectives' recorder; this module imports collectives, never the reverse). An async
+  collective's end is taken when it completes, not when it is waited on: on CPU gloo from
+  its future's completion callback (gloo work objects report no durations), on CUDA from
+  CUDA events recorded on the issuing stream.
 
 On CUDA every mark is a CUDA event; marks are turned into seconds (against one reference
 event and ``perf_counter`` taken together at start) when the timeline is finalized.
@@ -26,11 +28,14 @@ import dataclasses
 import json
 import threading
 import time
+import warnings
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from fsdp_lab import collectives
 
 _active: list["Timeline"] = []
 
@@ -86,10 +91,10 @@ class _Clock:
 class CommEvent:
     """An open comm event; ``close()`` ends it (at most once)."""
 
-    def __init__(self, timeline: "Timeline", name: str, nbytes: int, lane: str, args: dict):
+    def __init__(self, timeline: "Timeline", start, name: str, nbytes: int, lane: str, args: dict):
         self._timeline, self.name, self.bytes, self.lane, self.args = timeline, name, nbytes, lane, args
         self._lock = threading.Lock()
-        self._start = timeline._clock.mark()
+        self._start = start  # a clock mark taken just before the collective was issued
         self._end = None
 
     def close_on_completion(self, works: list) -> None:
@@ -141,15 +146,27 @@ class Timeline:
         if self._clock is None:
             self._clock = _Clock(self.device)
         _active.append(self)
+        collectives.add_recorder(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        collectives.remove_recorder(self)
         _active.remove(self)
         self.finalize()
 
-    def open_comm(self, name: str, nbytes: int, *, lane: str = "comm", **args) -> CommEvent:
-        """Start a comm event now (called by fsdp_lab.collectives)."""
-        return CommEvent(self, name, nbytes, lane, args)
+    def mark(self):
+        """A clock mark for a collective about to be issued (called by fsdp_lab.collectives)."""
+        return self._clock.mark()
+
+    def record_comm(self, start, name: str, nbytes: int, *, lane: str = "comm", **args) -> None:
+        """Record a synchronous collective, issued at ``start`` and completed now (called by
+        fsdp_lab.collectives)."""
+        self._raw.append((lane, name, nbytes, start, self._clock.mark(), "comm", args))
+
+    def open_comm(self, start, name: str, nbytes: int, *, lane: str = "comm", **args) -> CommEvent:
+        """The comm event of a collective issued since ``start = self.mark()`` (called by
+        fsdp_lab.collectives)."""
+        return CommEvent(self, start, name, nbytes, lane, args)
 
     def _add_raw(self, lane, name, nbytes, start, end, kind, args) -> None:
         self._raw.append((lane, name, nbytes, start, end, kind, args))
@@ -174,6 +191,10 @@ class Timeline:
         """
         if modules is None:
             modules = default_units(model)
+        # The first unit (an embedding) takes integer ids, so PyTorch warns that its backward hook
+        # fires when its output gradient arrives. That moment is the event we record; the warning
+        # would only print a machine-specific path into every lab that times a step.
+        warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD_WARNING)
         for name, module in modules:
             self._hooks += _time_module(self, name, module)
         return self
@@ -280,12 +301,10 @@ class Timeline:
 
     def collective_summary(self, rank: int | None = None) -> list[dict]:
         """One row per comm event: rank, name, bytes, seconds, algbw and busbw (bytes/s)."""
-        from fsdp_lab.collectives import bus_bandwidth
-
         rows = []
         for e in self.comm_events(rank):
             n = int(e.args.get("group_size", 1))
-            algbw, busbw = (bus_bandwidth(e.name, e.bytes, e.duration, n)
+            algbw, busbw = (collectives.bus_bandwidth(e.name, e.bytes, e.duration, n)
                             if e.duration > 0 and n > 1 and e.name in ("all_gather", "reduce_scatter",
                                                                         "all_reduce", "broadcast")
                             else (0.0, 0.0))
@@ -327,6 +346,9 @@ def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
         else:
             units.append((name, child))
     return units
+
+
+_NO_INPUT_GRAD_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
 def _time_module(tl: Timeline, name: str, module: nn.Module) -> list:
