@@ -1,0 +1,255 @@
+"""Hugging Face transformers models under fsdp_lab's FSDP2, FSDP1 and QLoRA, and PEFT interop.
+
+Models are built from small configs with random weights (no download). References:
+single-process training of the same model on the same global batch (plain and QLoRA),
+PEFT's own ``PeftModel.from_pretrained`` for exported adapters, transformers' own
+``from_pretrained`` for a merged model. One launch (2 gloo ranks) runs every distributed case.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import fsdp_lab  # noqa: E402
+from fsdp_lab import hf  # noqa: E402
+from fsdp_lab.precision import MixedPrecisionPolicy, cast_floating  # noqa: E402
+from fsdp_lab.qlora import apply_lora, merge_lora  # noqa: E402
+
+STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 4, 8, 128
+LR = 1e-2
+FAMILIES = ("llama", "qwen2")
+HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A 2-layer, hidden-64 causal LM of ``family`` with seeded random weights (float32, eager attention)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return cls(config).float().eval()
+
+
+def qlora(model):
+    torch.manual_seed(1)  # adapter init draws from the global generator
+    apply_lora(model, rank=4, alpha=8)
+    with torch.no_grad():  # non-zero B so the adapters change the output from step 0
+        for m in hf.lora_modules(model).values():
+            m.lora_b.normal_(0, 0.02)
+    return model
+
+
+def batch(step: int, rank: int = 0, world: int = 1):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    per = GLOBAL_BATCH // world
+    return ids[rank * per:(rank + 1) * per]
+
+
+def train(model, rank=0, world=1):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(step, rank, world)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float())
+    losses = torch.stack(losses)
+    if world > 1:  # each rank's loss is over its half of the batch: the mean is the global loss
+        import torch.distributed as dist
+        dist.all_reduce(losses)
+        losses /= world
+    return losses
+
+
+# -- what every rank runs -------------------------------------------------------------------------
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def _rank_suite():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+    from fsdp_lab.fsdp2 import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for family in FAMILIES:
+        # FSDP2 with PyTorch's own policy class; the root's float64 output keeps ModelOutput's class
+        model = tiny_model(family)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=TorchPolicy())
+        fully_shard(model, mp_policy=TorchPolicy(output_dtype=torch.float64))
+        with torch.no_grad():  # a forward left without backward changes the next step, here as in PyTorch's FSDP2
+            probe = model(input_ids=batch(0, rank, world), labels=batch(0, rank, world))
+        out[(family, "output")] = (type(probe).__name__, probe.loss.dtype, probe.logits.dtype)
+        del probe
+        losses = train(model, rank, world)
+        out[(family, "fsdp2")] = (losses, {n: _full(p) for n, p in model.named_parameters()})
+
+        # FSDP1 FULL_SHARD, one unit per decoder layer
+        model = tiny_model(family)
+        layer_cls = type(model.model.layers[0])
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+                                         sharding_strategy=ShardingStrategy.FULL_SHARD)
+        losses = train(model, rank, world)
+        with FullyShardedDataParallel.summon_full_params(model):
+            params = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+        out[(family, "fsdp1")] = (losses, params)
+
+        # QLoRA under FSDP2
+        model = qlora(tiny_model(family))
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        losses = train(model, rank, world)
+        out[(family, "qlora")] = (losses, {n: _full(p) for n, p in model.named_parameters() if p.requires_grad})
+    return out if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def suite():
+    return fsdp_lab.launch(_rank_suite, world_size=2, timeout=240)[0]
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for family in FAMILIES:
+        model = tiny_model(family)
+        losses = train(model)
+        out[(family, "plain")] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+        model = qlora(tiny_model(family))
+        losses = train(model)
+        out[(family, "qlora")] = (losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ("fsdp2", "fsdp1", "qlora"))
+def test_training_matches_one_process(suite, references, family, kind):
+    losses, params = suite[(family, kind)]
+    ref_losses, ref_params = references[(family, "qlora" if kind == "qlora" else "plain")]
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-6)
+    assert params.keys() == ref_params.keys()
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_dtype_keeps_model_output(suite, family):
+    # PyTorch's FSDP2 returns the module's own output class with floats cast to output_dtype
+    assert suite[(family, "output")] == ("CausalLMOutputWithPast", torch.float64, torch.float64)
+
+
+# -- one process ---------------------------------------------------------------------------------
+def test_cast_floating_keeps_container_classes():
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass
+    class Out:
+        x: torch.Tensor
+        n: int = 3
+
+    x = torch.ones(2)
+    dd = collections.defaultdict(list, {"x": x})
+    tree = {"od": collections.OrderedDict(x=x), "dd": dd, "pair": Pair(x, 1), "dc": Out(x),
+            "mo": transformers.modeling_outputs.CausalLMOutputWithPast(loss=x.sum(), logits=x)}
+    cast = cast_floating(tree, torch.float64)
+    assert type(cast) is dict
+    for key in tree:
+        assert type(cast[key]) is type(tree[key]), key
+    assert cast["dd"].default_factory is list and cast["dd"]["x"].dtype == torch.float64
+    assert cast["pair"].a.dtype == torch.float64 and cast["pair"].b == 1
+    assert cast["dc"].x.dtype == torch.float64 and cast["dc"].n == 3
+    assert cast["mo"].loss.dtype == torch.float64 and cast["mo"]["logits"].dtype == torch.float64
+    assert x.dtype == torch.float32 and tree["mo"].loss.dtype == torch.float32  # inputs untouched
+
+
+def test_torch_policy_is_converted_and_others_refused():
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    ours = MixedPrecisionPolicy.coerce(TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                   output_dtype=torch.float16, cast_forward_inputs=False))
+    assert (ours.param_dtype, ours.reduce_dtype, ours.output_dtype, ours.cast_forward_inputs) == (
+        torch.bfloat16, torch.float32, torch.float16, False)
+    assert ours.main_params_dtype is None and ours.main_grads_dtype is None  # PyTorch keeps the model's dtype
+    with pytest.raises(TypeError, match="torch.distributed.fsdp.MixedPrecisionPolicy"):
+        MixedPrecisionPolicy.coerce(fsdp_lab.precision.MixedPrecision())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_lora_default_targets_hugging_face_names(family):
+    model = apply_lora(tiny_model(family), quantize_base=False)
+    adapted = {name.rpartition(".")[2] for name in hf.lora_modules(model)}
+    assert adapted == set(HF_LINEARS)
+    assert len(hf.lora_modules(model)) == 2 * len(HF_LINEARS)
+
+
+def test_save_pretrained_qlora_and_peft_adapters_load_in_peft(tmp_path):
+    model = qlora(tiny_model("llama"))
+    ids = batch(0)
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+
+    # the raw call gets past transformers' tied-weight storage check without a TypedStorage warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            model.save_pretrained(tmp_path / "raw")
+        except Exception as e:  # safetensors itself stores plain dtypes only
+            assert "invalid python storage" not in str(e)
+    assert not [w for w in caught if "TypedStorage" in str(w.message)]
+
+    hf.save_pretrained(model, tmp_path / "base")
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
+    for name, lora in hf.lora_modules(model).items():
+        torch.testing.assert_close(base.get_submodule(name).weight, lora.weight.dequantize(torch.float32),
+                                   rtol=0, atol=0)
+
+    hf.export_peft_adapters(model, tmp_path / "adapters")
+    assert {p.name for p in (tmp_path / "adapters").iterdir()} == {hf.ADAPTER_CONFIG, hf.ADAPTER_WEIGHTS}
+    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    assert set(peft_model.peft_config["default"].target_modules) == set(HF_LINEARS)
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+
+def test_merged_qlora_model_round_trips_through_from_pretrained(tmp_path):
+    model = merge_lora(qlora(tiny_model("qwen2")))
+    ids = batch(1)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        after = loaded(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_export_refuses_a_model_without_adapters(tmp_path):
+    with pytest.raises(ValueError, match="apply_lora"):
+        hf.export_peft_adapters(tiny_model("llama"), tmp_path)
