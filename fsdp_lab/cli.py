@@ -1,4 +1,4 @@
-"""The ``fsdp-lab`` command: ``fsdp-lab env | bench | estimate | doctor``.
+"""The ``fsdp-lab`` command: ``fsdp-lab env | bench | estimate | doctor | lab``.
 
 Each subcommand is a function ``add_<name>_parser(subparsers)`` that adds its parser to
 argparse's ``subparsers`` and sets ``func=run(args)`` as a default; ``run`` returns the exit
@@ -36,6 +36,7 @@ from fsdp_lab.launch import launch
 SUBCOMMANDS: list[str] = [
     "fsdp_lab.memory.cli:add_estimate_parser",
     "fsdp_lab.doctor:add_doctor_parser",
+    "fsdp_lab.workshop.cli:add_lab_parser",
 ]
 
 

@@ -79,7 +79,7 @@ def test_help_lists_every_subcommand(capsys):
         cli.main(["--help"])
     assert info.value.code == 0
     usage = capsys.readouterr().out.splitlines()[0]
-    assert usage == "usage: fsdp-lab [-h] {env,bench,estimate,doctor} ..."
+    assert usage == "usage: fsdp-lab [-h] {env,bench,estimate,doctor,lab} ..."
 
 
 def test_other_modules_add_subcommands(capsys, monkeypatch):

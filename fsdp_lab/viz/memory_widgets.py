@@ -10,7 +10,10 @@ from __future__ import annotations
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 
+from fsdp_lab.dist import simulated_world
+from fsdp_lab.launch import launch
 from fsdp_lab.memory.estimate import MEASURABLE, OPTIMIZERS, STRATEGIES, estimate, measure_step
 from fsdp_lab.models.llama import CONFIGS
 from fsdp_lab.viz.memory_plots import plot_breakdown, plot_estimate_vs_measured
@@ -26,9 +29,6 @@ def measure(settings: dict, simulated: bool | None = None):
     ``fsdp_lab.launch`` up to MEASURE_MAX_WORLD, else (or with ``simulated=True``) rank 0 of a
     simulated world. Raises ValueError for what cannot be measured (QLoRA, offload, big models).
     """
-    from fsdp_lab.dist import simulated_world
-    from fsdp_lab.launch import launch
-
     if settings["qlora"] or settings["cpu_offload"]:
         raise ValueError("measuring QLoRA or CPU offload is not wired into the explorer; "
                          "see the QLoRA lab for a measured QLoRA step")
@@ -134,8 +134,6 @@ class MemoryExplorer:
         self.explorer.update()
 
     def show(self) -> "MemoryExplorer":
-        from IPython.display import display
-
         self.explorer.update()
         display(self.widget)
         return self

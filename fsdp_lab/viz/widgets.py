@@ -5,7 +5,8 @@ function ``render(**values) -> Figure`` (or ``(Figure, text)``) that runs the re
 and draws it. Changing a control re-renders; the last figure is kept as PNG bytes
 (``last_png``) so tests and the browser check can see that it changed. Widget state is
 not saved in notebooks, so every lab shows a static figure from the same render
-function beside the widget.
+function beside the widget. Widgets built on ``Explorer`` (``MemoryExplorer`` in
+``fsdp_lab.viz.memory_widgets``) import this module; it imports none of them.
 """
 
 from __future__ import annotations
@@ -90,10 +91,3 @@ class Explorer:
     def _ipython_display_(self) -> None:
         display(self.widget)
 
-
-def __getattr__(name: str):
-    # MemoryExplorer lives beside the memory plots; reachable here as the labs' widget namespace.
-    if name == "MemoryExplorer":
-        from fsdp_lab.viz.memory_widgets import MemoryExplorer
-        return MemoryExplorer
-    raise AttributeError(f"module 'fsdp_lab.viz.widgets' has no attribute {name!r}")

@@ -1,0 +1,217 @@
+"""Checking cells that teach: a verdict for a learner's answer, never a traceback.
+
+A lab's checker is a function decorated with :func:`checker`. It receives the learner's
+answer (a function or a class defined in the notebook), compares it with an independent
+reference (single-process training, a formula, fsdp_lab's own implementation) and returns
+``correct(...)`` or ``mistake(...)``. The decorator does the rest, the same way for every lab:
+
+* an answer that is still the stub (its code raises ``NotImplementedError``, or it returns or
+  trips over a ``...`` placeholder) gives "not solved yet" and the exercise's hint, without
+  running anything;
+* an exception, a failing rank (``LaunchError``) or a hang (``LaunchTimeout``) becomes a
+  verdict that names what happened in one or two lines; ``explain`` (optional) turns known
+  errors into named mistakes (e.g. "freed the parameter before backward");
+* the verdict is returned; a notebook shows it as text (its ``repr``), so the checking cell
+  ends with the call.
+
+Verdicts print no timings and no addresses, so nbval can compare them.
+
+    @checker("count_ranks", hint="all-reduce a tensor holding 1 on every rank")
+    def check_count_ranks(count_ranks):
+        answers = launch(count_ranks, world_size=3, timeout=CHECK_TIMEOUT)
+        if answers == [3, 3, 3]:
+            return correct("every rank counted 3 ranks")
+        if answers == [1, 1, 1]:
+            return mistake("no_collective", "every rank returned 1: nothing was summed")
+        return mistake("wrong_value", f"expected 3 on every rank, got {answers}")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+from typing import Any, Callable
+
+from fsdp_lab.launch import LaunchError, LaunchTimeout
+
+CORRECT, NOT_SOLVED, WRONG = "correct", "not solved", "wrong"
+CHECK_TIMEOUT = 120.0  # seconds a checker's launch may take (a hang is reported after it)
+
+_HEADINGS = {CORRECT: "correct", NOT_SOLVED: "not solved yet", WRONG: "not yet right"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a checker concluded about one answer.
+
+    ``status``: "correct", "not solved" or "wrong". ``mistake``: a short name of the mistake
+    found ("not_averaged", "wrong_shard_bounds", ...; "stub" when not solved, "" when
+    correct); tests assert on it. ``message`` says what the answer shows; ``hint`` what to
+    try next.
+    """
+
+    exercise: str
+    status: str
+    message: str
+    mistake: str = ""
+    hint: str = ""
+
+    @property
+    def solved(self) -> bool:
+        return self.status == CORRECT
+
+    def report(self) -> str:
+        """The text a learner reads: a heading line, the message, and the hint if any."""
+        lines = [f"[{self.exercise}] {_HEADINGS[self.status]}: {self.message}"]
+        if self.hint and self.status != CORRECT:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.report()
+
+    __str__ = __repr__
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    status: str
+    message: str
+    mistake: str = ""
+    hint: str = ""
+
+
+def correct(message: str) -> _Outcome:
+    """The answer is right; ``message`` says what the right answer shows."""
+    return _Outcome(CORRECT, message)
+
+
+def mistake(name: str, message: str, hint: str = "") -> _Outcome:
+    """The answer is wrong in a way the checker recognises: ``name`` is the mistake's short
+    name, ``message`` what the answer did, ``hint`` (default: the exercise's) what to do."""
+    return _Outcome(WRONG, message, name, hint)
+
+
+def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str], _Outcome | None] | None = None):
+    """Decorate ``check(answer, ...) -> correct(...) | mistake(...)`` into a checker that
+    returns a :class:`Verdict` and never raises.
+
+    ``exercise``: the name shown in the verdict (usually the function the learner writes).
+    ``hint``: what to write, shown when the answer is a stub or wrong without its own hint.
+    ``explain(error, text)``: optional; ``text`` is the error's message plus, for a failing
+    rank, its traceback; return a ``mistake(...)`` for errors it recognises, else None.
+    """
+
+    def wrap(check: Callable[..., _Outcome]) -> Callable[..., Verdict]:
+        @functools.wraps(check)
+        def run(answer, *args, **kwargs) -> Verdict:
+            stub = unfinished_parts(answer)
+            if stub:
+                one = len(stub) == 1
+                return Verdict(exercise, NOT_SOLVED, f"{_join(stub)} still "
+                               f"{'raises' if one else 'raise'} NotImplementedError; replace "
+                               f"{'that line' if one else 'those lines'} with your code and run "
+                               "the cell again", "stub", hint)
+            try:
+                outcome = check(answer, *args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - every failure becomes a verdict
+                outcome = _from_error(error, explain)
+            if outcome.status == NOT_SOLVED:
+                return Verdict(exercise, NOT_SOLVED, outcome.message, "stub", hint)
+            return Verdict(exercise, outcome.status, outcome.message, outcome.mistake,
+                           outcome.hint or hint)
+
+        run.exercise = exercise
+        return run
+
+    return wrap
+
+
+def unfinished_parts(answer: Any) -> list[str]:
+    """Names of the functions in ``answer`` whose code still raises ``NotImplementedError``.
+
+    ``answer`` is a function (its nested functions and lambdas are looked into) or a class
+    (the functions it and its bases define, except bases from fsdp_lab itself, whose
+    methods are given). Returns [] for anything else.
+    """
+    found = []
+    if inspect.isclass(answer):
+        for klass in answer.__mro__:
+            if klass is object or (klass.__module__ or "").startswith("fsdp_lab."):
+                continue
+            for name, member in vars(klass).items():
+                func = inspect.unwrap(member.__func__ if isinstance(member, (staticmethod, classmethod))
+                                      else member)
+                if isinstance(func, types.FunctionType) and _raises_not_implemented(func.__code__):
+                    found.append(f"{klass.__name__}.{name}")
+    elif isinstance(answer, (types.FunctionType, functools.partial)):
+        func = answer.func if isinstance(answer, functools.partial) else answer
+        if isinstance(func, types.FunctionType) and _raises_not_implemented(func.__code__):
+            found.append(func.__name__)
+    return list(dict.fromkeys(found))
+
+
+def is_placeholder(value: Any) -> bool:
+    """True if ``value`` is the ``...`` placeholder, or a tuple/list holding one."""
+    if value is Ellipsis:
+        return True
+    return isinstance(value, (tuple, list)) and any(v is Ellipsis for v in value)
+
+
+def placeholder_left(where: str) -> _Outcome:
+    """The outcome for an answer that returned a ``...`` placeholder."""
+    return _Outcome(NOT_SOLVED, f"{where} still returns the `...` placeholder; "
+                                "write the expression in its place")
+
+
+def _raises_not_implemented(code: types.CodeType) -> bool:
+    if "NotImplementedError" in code.co_names:
+        return True
+    return any(isinstance(c, types.CodeType) and _raises_not_implemented(c) for c in code.co_consts)
+
+
+def _join(names: list[str]) -> str:
+    quoted = [f"`{n}`" for n in names]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def _from_error(error: BaseException, explain) -> _Outcome:
+    """Turn an exception raised while checking into an outcome (no traceback shown)."""
+    if isinstance(error, LaunchTimeout):
+        ranks = "; ".join(f"rank {r}: {last}" for r, last in enumerate(error.last_collectives))
+        return mistake("hang", "the ranks did not finish: they waited in different collectives "
+                               f"(last entered: {ranks})",
+                       "every rank must call the same collectives, in the same order, with the "
+                       "same sizes")
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, LaunchError):
+        text = f"{error}\n{error.traceback}"
+    summary = _last_error_line(error)
+    if "NotImplementedError" in summary:
+        return _Outcome(NOT_SOLVED, "the code still raises NotImplementedError; "
+                                    "replace that line with your code")
+    if "ellipsis" in summary.lower():
+        return _Outcome(NOT_SOLVED, "a `...` placeholder is still in the code "
+                                    f"({summary}); write your expression in its place")
+    if explain is not None:
+        known = explain(error, text)
+        if known is not None:
+            return known
+    if isinstance(error, LaunchError):
+        where = f"rank {error.rank} raised" if error.traceback else "a rank failed:"
+    else:
+        where = "your code raised"
+    return mistake("raised", f"{where} {summary}")
+
+
+def _last_error_line(error: BaseException) -> str:
+    """The exception's one-line summary ("ValueError: ..."); for a failing rank, that of the
+    first rank that failed (the others usually fail as a consequence)."""
+    first = str(error).strip().splitlines()
+    if isinstance(error, LaunchError):
+        line = first[0] if first else "a rank failed"
+        prefix = f"rank {error.rank} raised "
+        return line[len(prefix):] if line.startswith(prefix) else line
+    return f"{type(error).__name__}: {first[0]}" if first else type(error).__name__

@@ -1,0 +1,411 @@
+"""Lab 03 (ZeRO by hand): train a stage on N ranks, the single-process reference, the
+ZeRO arithmetic, and the checkers of the learner's DDP, ZeRO-1, ZeRO-2 and ZeRO-3.
+
+``measure(stage_class, world_size)`` trains ``STEPS`` AdamW steps of a small Llama on fresh
+ranks (each rank gets its slice of one global batch) and returns, per rank, a
+:class:`StageRun`: losses, the gradients the optimizer saw, the whole parameters after the
+first and the last step, and, for step ``MEASURED_STEP``, a MemoryTracker result and a
+Timeline. ``reference()`` trains the same model on the whole batch in this process.
+
+Each ``check_<stage>(answer)`` compares the learner's class with that reference (every
+parameter within ``TOL`` after ``STEPS`` steps), its memory per category with
+:func:`expected` (the ZeRO paper's arithmetic for fp32 AdamW), and its bytes on the wire
+with the same formula; a wrong answer is diagnosed from what differs (gradients N times too
+large, another rank's slice, slices never gathered back, whole gradients kept, a parameter
+freed before backward, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch
+
+from fsdp_lab.launch import launch
+from fsdp_lab.models.data import global_batch, shard_batch
+from fsdp_lab.models.llama import Llama, LlamaConfig
+from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake
+from fsdp_lab.workshop.measure import bytes_by_collective, wire_bytes
+from fsdp_lab.workshop.zero import EPS, LR
+
+# A Llama small enough for 2 CPU ranks, with every size divisible by 2 and 4.
+CONFIG = LlamaConfig(name="lab03", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                     ffn_hidden=176, max_seq_len=64)
+GLOBAL_BATCH, SEQ_LEN = 8, 32   # rows of the global batch, tokens per row
+STEPS, MEASURED_STEP = 3, 1     # AdamW steps; the one measured (its optimizer state exists)
+TOL = 1e-5                      # largest parameter difference from single-process training
+TOL_TEXT = "1e-5"
+STAGE_NAMES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+WORLD = 2
+
+
+@dataclasses.dataclass
+class StageRun:
+    """What one rank of :func:`measure` returns. Bytes in bytes; ``grads[s][i]``: the
+    gradient of optimizer tensor i at step s (s = 0, 1), as the optimizer saw it."""
+
+    rank: int
+    world_size: int
+    losses: list[float]
+    grads: list[list[torch.Tensor | None]]
+    after_first: dict[str, torch.Tensor]
+    final: dict[str, torch.Tensor]
+    memory: object     # fsdp_lab.memory.MemoryResult of step MEASURED_STEP
+    timeline: object   # fsdp_lab.timeline.Timeline of step MEASURED_STEP
+
+
+def batch_for(step: int, rank: int = 0, world_size: int = 1):
+    """Rank ``rank``'s slice of step ``step``'s global batch (the whole batch for 1 rank)."""
+    batch = global_batch(CONFIG.vocab_size, GLOBAL_BATCH, SEQ_LEN, step=step)
+    return shard_batch(batch, rank, world_size)
+
+
+def train_on_rank(stage_class, params_from_shards: bool = False) -> StageRun:
+    """Run on every rank: build the model, wrap it in ``stage_class``, train ``STEPS`` steps,
+    measure step ``MEASURED_STEP``. The parameters returned are the model's own, or with
+    ``params_from_shards`` (ZeRO-3) the all-gather of the stage's shards, which is what the
+    next forward would use. Raises whatever the stage raises."""
+    import torch.distributed as dist
+
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.timeline import Timeline
+
+    # the timeline's backward hooks on the embedding warn that its input needs no gradient
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Llama(CONFIG, seed=0)
+    stage = stage_class(model)
+    optimizer = stage.optimizer
+    seen: list[list] = []
+
+    def record(opt, args, kwargs):
+        if len(seen) < 2:
+            seen.append([t.grad.detach().clone() if t.grad is not None else None
+                         for group in opt.param_groups for t in group["params"]])
+
+    optimizer.register_step_pre_hook(record)
+    losses, after_first, memory, timeline = [], {}, None, None
+    for step in range(STEPS):
+        batch = batch_for(step, rank, world)
+        if step == MEASURED_STEP:
+            with Timeline() as timeline, MemoryTracker(model, optimizer) as tracker:
+                timeline.attach(model)
+                loss = stage.step(batch)
+            memory = tracker.result()
+        else:
+            loss = stage.step(batch)
+        losses.append(float(loss))
+        if step == 0:
+            after_first = stage.full_parameters(params_from_shards)
+    return StageRun(rank, world, losses, seen, after_first, stage.full_parameters(params_from_shards),
+                    memory, timeline)
+
+
+def measure(stage_class, world_size: int = WORLD, *, params_from_shards: bool | None = None,
+            timeout: float = CHECK_TIMEOUT) -> list[StageRun]:
+    """Train ``stage_class`` on ``world_size`` fresh ranks; one :class:`StageRun` per rank.
+    ``params_from_shards`` (default: for a stage named "ZeRO-3") reads the trained parameters
+    from the shards, as :func:`train_on_rank` says."""
+    if params_from_shards is None:
+        params_from_shards = getattr(stage_class, "name", "") == "ZeRO-3"
+    return launch(train_on_rank, stage_class, params_from_shards, world_size=world_size, timeout=timeout)
+
+
+@dataclasses.dataclass
+class Reference:
+    """Single-process training of the same model on the whole batch (this process)."""
+
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]   # steps 0 and 1, whole
+    initial: dict[str, torch.Tensor]
+    after_first: dict[str, torch.Tensor]
+    final: dict[str, torch.Tensor]
+    local_grads: list[dict[str, torch.Tensor]]  # step 0, rank r's slice of the batch only
+
+
+@functools.lru_cache(maxsize=4)
+def reference(world_size: int = WORLD) -> Reference:
+    """Train the lab's model for ``STEPS`` AdamW steps on each whole batch in this process;
+    also each rank's un-reduced step-0 gradient (its slice of the batch alone)."""
+    def params(m):
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    model = Llama(CONFIG, seed=0)
+    initial = params(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads, after_first = [], [], {}
+    for step in range(STEPS):
+        loss = model(batch_for(step)).loss
+        loss.backward()
+        if step < 2:
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if step == 0:
+            after_first = params(model)
+    local = []
+    for rank in range(world_size):
+        alone = Llama(CONFIG, seed=0)
+        alone(batch_for(0, rank, world_size)).loss.backward()
+        local.append({n: p.grad.clone() for n, p in alone.named_parameters()})
+    return Reference(losses, grads, initial, after_first, params(model), local)
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+def num_params(config: LlamaConfig = CONFIG) -> tuple[int, int]:
+    """(elements, tensors) of the lab's model, counted on a model built on the meta device."""
+    with torch.device("meta"):
+        params = list(Llama(config).parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def expected(stage: str, elements: int, tensors: int, world_size: int) -> dict[str, int]:
+    """Bytes per rank for fp32 parameters and AdamW (the ZeRO paper's arithmetic), per stage:
+
+    ``params``: parameter bytes kept between steps (4 per element; 1/N from ZeRO-3);
+    ``grads``: gradient bytes kept for the optimizer (whole up to ZeRO-1, 1/N from ZeRO-2);
+    ``optimizer_state``: AdamW's two moments (8 per element; 1/N from ZeRO-1) plus one
+    4-byte step counter per tensor; ``wire``: bytes one rank sends per step in a ring,
+    2(N-1)/N of the gradients for DDP, ZeRO-1 and ZeRO-2 (all-reduce, or reduce-scatter +
+    all-gather), 3(N-1)/N for ZeRO-3 (parameters gathered twice, gradients reduce-scattered).
+    Raises ValueError for an unknown stage.
+    """
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"unknown stage {stage!r}; use one of {', '.join(STAGE_NAMES)}")
+    whole, n = 4 * elements, world_size
+    level = STAGE_NAMES.index(stage)
+    return {
+        "params": whole // n if level >= 3 else whole,
+        "grads": whole // n if level >= 2 else whole,
+        "optimizer_state": (2 * whole // n if level >= 1 else 2 * whole) + 4 * tensors,
+        "wire": round((3 if level == 3 else 2) * (n - 1) / n * whole),
+    }
+
+
+def summary(runs: list[StageRun]) -> dict:
+    """Rank 0's measured step as plain numbers (bytes): parameters kept and the most gathered
+    at once, whole gradients most alive at once, gradient slices, optimizer state, bytes on
+    the wire, and {collective: (calls, bytes)}."""
+    memory, timeline = runs[0].memory, runs[0].timeline
+    most, now = memory.max_by_category, memory.current
+    events = timeline.comm_events(rank=runs[0].rank)
+    return {
+        "params": now.get("params", 0) + now.get("sharded_params", 0),
+        "gathered": most.get("unsharded_params", 0),
+        "whole_grads": most.get("grads", 0),
+        "grad_slices": most.get("sharded_grads", 0),
+        "optimizer_state": most.get("optimizer_state", 0),
+        "wire": wire_bytes(events),
+        "collectives": bytes_by_collective(events),
+    }
+
+
+def kib(nbytes: float) -> str:
+    return f"{nbytes / 1024:.1f} KiB"
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def _explain(error: BaseException, text: str):
+    if "optimizer" in text and "AttributeError" in text:
+        return mistake("no_optimizer", "the stage has no `self.optimizer` after setup()",
+                       "setup() must create self.optimizer (self.make_optimizer(tensors))")
+    if ("storage of size 0" in text or "storage size of 0" in text or "0 bytes" in text) and (
+            "backward" in text or "grad" in text):
+        return mistake("freed_before_backward",
+                       "backward used a parameter whose storage was freed: it was freed after "
+                       "forward and not gathered again before its unit's backward",
+                       "register a backward pre-hook on each unit that gathers its parameters "
+                       "(unit.register_full_backward_pre_hook)")
+    if "storage of size 0" in text or "storage size of 0" in text:
+        return mistake("used_freed_parameter", "a parameter was used while its storage was freed: "
+                                               "gather a unit's parameters before its forward")
+    if "'NoneType' object has no attribute" in text and "grad" in text:
+        return mistake("grad_is_none", "a .grad was None where the code read it: a hook or an "
+                                       "earlier loop had already dropped it (p.grad = None), or "
+                                       "it was read before backward produced it")
+    return None
+
+
+def _allclose(a, b) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(
+        a, b, rtol=1e-4, atol=1e-6)
+
+
+def _expected_slices(grads: dict, names: list[str], rank: int, world: int, sharded: bool):
+    out = []
+    for name in names:
+        flat = grads[name].reshape(-1)
+        size = flat.numel() // world
+        out.append(flat[rank * size:(rank + 1) * size] if sharded else grads[name])
+    return out
+
+
+def _check_stage(stage: str, stage_class):
+    world = WORLD
+    runs = measure(stage_class, world, params_from_shards=stage == "ZeRO-3")
+    ref = reference(world)
+    names = list(ref.initial)
+    elements, tensors = sum(t.numel() for t in ref.initial.values()), len(names)
+    sharded = stage != "DDP"
+    whole = 4 * elements
+
+    # 1. the gradient the optimizer sees at the first step
+    for run in runs:
+        got = run.grads[0]
+        if len(got) != len(names):
+            return mistake("optimizer_tensors", f"the optimizer of rank {run.rank} steps {len(got)} "
+                                                f"tensors; it should step one per parameter "
+                                                f"({len(names)}), in the model's order")
+        if sharded and all(g is not None and g.numel() == ref.initial[n].numel()
+                           for g, n in zip(got, names)):
+            return mistake("optimizer_not_sharded", "the optimizer steps whole parameters: with "
+                                                    "ZeRO it steps only this rank's slices")
+        if any(g is None for g in got):
+            return mistake("no_gradient", f"when the optimizer stepped on rank {run.rank}, some of "
+                                          "its tensors had no .grad")
+        want = _expected_slices(ref.grads[0], names, run.rank, world, sharded)
+        if all(_allclose(g, w) for g, w in zip(got, want)):
+            continue
+        if all(_allclose(g, w * world) for g, w in zip(got, want)):
+            return mistake("not_averaged", f"the gradients on rank {run.rank} are {world}x the "
+                                           "single-process ones: they were summed over the ranks "
+                                           "but not divided by the world size",
+                           "reduce with op=\"avg\" (or divide by the world size)")
+        local = _expected_slices(ref.local_grads[run.rank], names, run.rank, world, sharded)
+        if all(_allclose(g, w) for g, w in zip(got, local)):
+            return mistake("not_reduced", f"rank {run.rank} stepped with the gradient of its own "
+                                          "slice of the batch: gradients were not reduced over "
+                                          "the ranks")
+        for other in range(world):
+            theirs = _expected_slices(ref.grads[0], names, other, world, sharded)
+            if other != run.rank and all(_allclose(g, w) for g, w in zip(got, theirs)):
+                return mistake("wrong_shard", f"rank {run.rank}'s optimizer got the gradient slice "
+                                              f"of rank {other}: a rank keeps slice [r·k, (r+1)·k) "
+                                              "of each gradient", "use self.my_slice and the "
+                                                                  "reduce-scatter's output")
+        return mistake("wrong_gradients", f"the gradients on rank {run.rank} differ from "
+                                          "single-process training at the first step")
+    # 2. the parameters after the first step, the second step's gradients, the last parameters
+    for run in runs:
+        if all(torch.allclose(run.after_first[n], ref.after_first[n], atol=TOL, rtol=0) for n in names):
+            continue
+        mine = [_expected_slices(run.after_first, [n], run.rank, world, True)[0] for n in names]
+        ours = [_expected_slices(ref.after_first, [n], run.rank, world, True)[0] for n in names]
+        if all(torch.allclose(a, b, atol=TOL, rtol=0) for a, b in zip(mine, ours)):
+            return mistake("not_gathered", f"after the step rank {run.rank} has updated only its own "
+                                           "slice of each parameter: the other slices were never "
+                                           "gathered back", "all-gather every rank's updated slice "
+                                                            "into the whole parameter after the step")
+        return mistake("wrong_update", f"after the first step the parameters of rank {run.rank} "
+                                       "differ from single-process training")
+    for run in runs:
+        want = _expected_slices(ref.grads[1], names, run.rank, world, sharded)
+        if not all(_allclose(g, w) for g, w in zip(run.grads[1], want)):
+            return mistake("stale_gradients", "the first step's gradients are right but the second "
+                                              "step's are not: something carries over from one "
+                                              "step to the next",
+                           "drop each whole gradient once it is reduced (p.grad = None)")
+
+    worst = max((run.final[n] - ref.final[n]).abs().max().item() for run in runs for n in names)
+    if worst > TOL:
+        return mistake("diverged", f"after {STEPS} steps a parameter differs from single-process "
+                                   f"training by {worst:.1e} (more than {TOL_TEXT})")
+
+    # 3. memory per category and bytes on the wire, against the ZeRO arithmetic
+    want = expected(stage, elements, tensors, world)
+    got = summary(runs)
+    most, now = runs[0].memory.max_by_category, runs[0].memory.current
+    if got["optimizer_state"] > want["optimizer_state"]:
+        return mistake("optimizer_not_sharded", f"the optimizer state is {kib(got['optimizer_state'])} "
+                                                f"per rank; {stage} keeps {kib(want['optimizer_state'])}")
+    if sharded and got["grad_slices"] != whole // world:
+        return mistake("untagged_grad_slices", f"the gradient slices measure "
+                                               f"{kib(got['grad_slices'])}, expected "
+                                               f"{kib(whole // world)}",
+                       "make each slice's gradient with self.new_grad_shard(shard)")
+    if stage in ("ZeRO-2", "ZeRO-3") and most.get("grads", 0):
+        return mistake("whole_grads_kept", f"whole gradients stayed on the parameters "
+                                           f"({kib(most['grads'])} at once): {stage} drops each one "
+                                           "in its hook, right after reducing it",
+                       "set p.grad = None inside the post-accumulate-grad hook")
+    if stage == "ZeRO-3":
+        if most.get("params", 0):
+            return mistake("params_not_sharded", f"{kib(most['params'])} of whole parameters stayed "
+                                                 "allocated: free every parameter in setup, after "
+                                                 "taking its slice")
+        if now.get("unsharded_params", 0):
+            return mistake("not_freed_after_backward",
+                           f"{kib(now['unsharded_params'])} of gathered parameters were still alive "
+                           "after the step", "free each parameter once its gradient is reduced")
+        if got["gathered"] >= whole:
+            return mistake("not_freed_after_forward", "every parameter was gathered at the same "
+                                                      "time: free each unit after its forward")
+    if got["wire"] != want["wire"]:
+        used = ", ".join(f"{calls} {name}" for name, (calls, _) in got["collectives"].items())
+        hint = ""
+        if stage in ("ZeRO-1", "ZeRO-2") and "all_reduce" in got["collectives"]:
+            hint = ("a rank needs only its slice of the averaged gradient: reduce-scatter it, for "
+                    "half an all-reduce's traffic")
+        return mistake("wire_bytes", f"one step sent {kib(got['wire'])} per rank ({used}); {stage} "
+                                     f"sends {kib(want['wire'])}", hint)
+    return correct(_praise(stage, got, want, expected("DDP", elements, tensors, world), world))
+
+
+def _praise(stage: str, got: dict, want: dict, ddp: dict, world: int) -> str:
+    same = f"on {world} ranks your {stage} matches single-process training (every parameter " \
+           f"within {TOL_TEXT} after {STEPS} steps)"
+    calls = ", ".join(f"{calls} {name}s" for name, (calls, _) in got["collectives"].items())
+    if stage == "DDP":
+        return (f"{same}; each step all-reduced {kib(got['params'])} of gradients "
+                f"({calls}) and sent {kib(got['wire'])} per rank, 2(N-1)/N of it")
+    if stage == "ZeRO-1":
+        return (f"{same}; optimizer state {kib(got['optimizer_state'])} per rank where DDP keeps "
+                f"{kib(ddp['optimizer_state'])} (1/{world} of the moments, every step counter); whole "
+                f"gradients still {kib(got['whole_grads'])} at once; {kib(got['wire'])} on the wire, "
+                f"as much as DDP ({calls})")
+    if stage == "ZeRO-2":
+        return (f"{same}; gradients kept: {kib(got['grad_slices'])} of slices, 1/{world} of DDP's "
+                f"{kib(ddp['grads'])}, no whole gradient outlived its hook; optimizer state "
+                f"{kib(got['optimizer_state'])}; {kib(got['wire'])} on the wire, as much as DDP")
+    return (f"{same}; parameters kept: {kib(got['params'])} of slices, 1/{world} of "
+            f"{kib(ddp['params'])}, at most {kib(got['gathered'])} gathered at once; "
+            f"{kib(got['wire'])} on the wire = {got['wire'] / ddp['wire']:g}x DDP's "
+            f"({calls}): the parameters are gathered twice, for forward and for backward")
+
+
+_HINTS = {
+    "DDP": "after backward, all-reduce every p.grad with op=\"avg\" (the mean over ranks)",
+    "ZeRO-1": "setup: self.shards = [self.my_slice(p.data).requires_grad_() ...] and "
+              "self.optimizer over them; after backward reduce-scatter each p.grad into "
+              "shard.grad = self.new_grad_shard(shard) and drop p.grad; after the step "
+              "all-gather each shard into p.data",
+    "ZeRO-2": "like ZeRO-1, but reduce-scatter inside p.register_post_accumulate_grad_hook "
+              "(the hook gets p) and drop p.grad there",
+    "ZeRO-3": "shards from self.param_shard(p), free_storage(p); per unit: forward pre-hook "
+              "gathers (alloc_storage + all-gather), forward hook frees, full backward pre-hook "
+              "gathers again; the gradient hook reduce-scatters, drops p.grad and frees p",
+}
+
+
+def _stage_checker(stage: str):
+    @checker(stage, hint=_HINTS[stage], explain=_explain)
+    def check(stage_class):
+        return _check_stage(stage, stage_class)
+
+    check.__name__ = f"check_{stage.lower().replace('-', '')}"
+    check.__doc__ = (f"Train the learner's {stage} class on {WORLD} ranks and compare it with "
+                     "single-process training, the ZeRO memory arithmetic and the bytes formula.")
+    return check
+
+
+check_ddp = _stage_checker("DDP")
+check_zero1 = _stage_checker("ZeRO-1")
+check_zero2 = _stage_checker("ZeRO-2")
+check_zero3 = _stage_checker("ZeRO-3")

@@ -1,0 +1,194 @@
+"""Checkers for lab 04 (FSDP1, flat parameters).
+
+* ``check_rank_shard(rank_shard, real_shards=None)``: ``rank_shard(params, world, rank)``
+  returns the 1-D slice of a unit's flat parameter that ``rank`` keeps: the parameters
+  flattened end to end, zero-padded to a multiple of ``world``, cut into ``world`` equal
+  pieces. Reference: fsdp_lab's FSDP1 arithmetic (``fsdp1.layout.padded_numel`` and
+  ``shard_boundaries``) on many shapes, and, when given, the shards real FSDP1 ranks hold
+  (``real_shards``: {rank: tensor} of one unit on ``len(real_shards)`` ranks, with the
+  parameters it was built from).
+* ``check_reduce_flat_grad(reduce_flat_grad)``: the post-backward step of an FSDP1 unit:
+  ``reduce_flat_grad(flat_grad)`` gets this rank's whole padded flat gradient and returns
+  this rank's shard of the average over ranks. Reference: fsdp_lab's FSDP1 (one unit, 2
+  ranks), whose sharded gradient after the same backward the answer must equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_lab.launch import launch
+from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left
+
+REDUCE_WORLD = 2
+
+
+def reference_shard(params: list[torch.Tensor], world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of the flat parameter of ``params``, built from FSDP1's own
+    arithmetic (``shard_boundaries``: which elements of each parameter the rank owns)."""
+    from fsdp_lab.fsdp1.layout import padded_numel, shard_boundaries
+
+    numels = [p.numel() for p in params]
+    shard = padded_numel(sum(numels), world) // world
+    owned = [p.detach().reshape(-1)[a:b] for p, (a, b) in zip(params, shard_boundaries(numels, world, rank))]
+    flat = torch.cat(owned) if owned else torch.zeros(0)
+    return torch.cat([flat, flat.new_zeros(shard - flat.numel())])
+
+
+def _cases():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        count = int(torch.randint(1, 6, (1,), generator=gen))
+        shapes = [tuple(torch.randint(1, 7, (int(torch.randint(1, 3, (1,), generator=gen)),),
+                                      generator=gen).tolist()) for _ in range(count)]
+        params = [torch.randn(s, generator=gen) for s in shapes]
+        world = int(torch.randint(2, 6, (1,), generator=gen))
+        yield params, world
+
+
+def _diagnose_shard(answer, params, world) -> object | None:
+    """A mistake() for the first rank where ``answer`` differs from the reference, else None."""
+    total = sum(p.numel() for p in params)
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    for rank in range(world):
+        expected = reference_shard(params, world, rank)
+        got = answer([p.clone() for p in params], world, rank)
+        if is_placeholder(got):
+            return placeholder_left("rank_shard")
+        if not isinstance(got, torch.Tensor):
+            return mistake("not_a_tensor", f"rank_shard returned {type(got).__name__}; return a 1-D tensor")
+        got = got.detach()
+        if got.shape == expected.shape and torch.equal(got, expected):
+            continue
+        where = f"for {len(params)} parameters of {[p.numel() for p in params]} elements on {world} ranks"
+        if got.numel() == total:
+            return mistake("whole_flat", f"rank {rank} got all {total} elements {where}: that is the "
+                                         "whole flat parameter; keep only this rank's piece")
+        if rank == world - 1 and got.numel() < expected.numel() and torch.equal(got, expected[:got.numel()]):
+            return mistake("no_padding", f"rank {rank} got {got.numel()} elements {where}, the right "
+                                         f"values but {expected.numel() - got.numel()} short: pad the flat "
+                                         "tensor with zeros to a multiple of world first, so every shard "
+                                         f"has {expected.numel()}")
+        floor = total // world
+        if got.numel() == floor and floor != expected.numel():
+            return mistake("floor_shard", f"rank {rank} got {floor} elements {where}, the total divided "
+                                          f"with rounding down; a shard has ceil(total / world) = "
+                                          f"{expected.numel()}, the last rank's end made of padding")
+        others = [r for r in range(world) if r != rank
+                  and torch.equal(got, reference_shard(params, world, r))] if got.shape == expected.shape else []
+        if others:
+            return mistake("wrong_rank", f"rank {rank} got the piece of rank {others[0]} {where}",
+                           "rank r keeps elements [r*S, (r+1)*S) of the padded flat tensor, S = its length / world")
+        if got.numel() == expected.numel() and expected.numel() * world > total and \
+                torch.equal(got, torch.cat([flat.new_zeros(expected.numel() * world - total), flat])
+                            [rank * expected.numel():(rank + 1) * expected.numel()]):
+            return mistake("padding_first", f"the zeros sit at the start of the flat tensor {where}; "
+                                            "FSDP1 appends the padding after the last parameter")
+        return mistake("wrong_values", f"rank {rank} got {got.numel()} elements {where} that are not its "
+                                       f"piece of the padded flat tensor ({expected.numel()} elements)")
+    return None
+
+
+@checker("rank_shard", hint="flat = torch.cat of every p.reshape(-1); pad with zeros to "
+                            "ceil(numel / world) * world; return flat[rank*S:(rank+1)*S]")
+def check_rank_shard(rank_shard, real_shards=None, params=None):
+    """Compare ``rank_shard`` with FSDP1's arithmetic on 40 random units (1-5 parameters,
+    2-5 ranks) and, when ``real_shards`` ({rank: tensor}) and ``params`` are given, with the
+    shards real FSDP1 ranks hold for ``params``."""
+    for case_params, world in _cases():
+        found = _diagnose_shard(rank_shard, case_params, world)
+        if found is not None:
+            return found
+    if real_shards is not None and params is not None:
+        world = len(real_shards)
+        found = _diagnose_shard(rank_shard, params, world)
+        if found is not None:
+            return found
+        for rank, real in real_shards.items():
+            got = rank_shard([p.clone() for p in params], world, rank)
+            if not torch.equal(got.detach().to(real.dtype), real):
+                return mistake("differs_from_fsdp1", f"rank {rank}'s piece differs from the shard a real "
+                                                     "FSDP1 rank holds")
+        total = sum(p.numel() for p in params)
+        shard = real_shards[0].numel()
+        return correct(f"on 40 random units and on the real block: {total:,} elements, padded to "
+                       f"{shard * world:,} ({shard * world - total} zeros at the end of the last rank), "
+                       f"{shard:,} per rank, the same bytes each of the {world} FSDP1 ranks holds; "
+                       "a parameter can begin on one rank and end on the next")
+    return correct("on 40 random units (1-5 parameters, 2-5 ranks): the pieces FSDP1's own "
+                   "arithmetic gives, padding included")
+
+
+def _reduce_case(reduce_flat_grad):
+    """On each rank: the whole model as one FSDP1 unit, one backward on this rank's half of a
+    batch. Returns the answer's shard, FSDP1's sharded gradient, and the pieces to diagnose."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+    from fsdp_lab.models.data import global_batch, shard_batch
+    from fsdp_lab.models.llama import Llama
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = shard_batch(global_batch(512, 4, 16, step=0), rank, world)
+    model = FSDP(Llama("cpu", seed=0))
+    model(batch).loss.backward()
+    (handle,) = model._handles
+    layout = handle.layout
+    reference = torch.zeros(layout.shard_numel)
+    for info, (a, b) in zip(layout.infos, layout.local_slices()):
+        if b > a:
+            reference[a:b] = info.param.grad.reshape(-1)
+
+    plain = Llama("cpu", seed=0)
+    plain(batch).loss.backward()
+    grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad for n, p in plain.named_parameters()}
+    local = torch.cat([grads[info.fqn.replace("_fsdp_wrapped_module.", "")].reshape(-1) for info in layout.infos])
+    flat_grad = torch.cat([local, local.new_zeros(layout.padded_numel - layout.numel)])
+    given = flat_grad.clone()
+    result = reduce_flat_grad(given)
+    if isinstance(result, torch.Tensor):
+        result = result.detach().clone()
+    return {"result": result, "reference": reference, "local": flat_grad, "rank": rank,
+            "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel}
+
+
+def _close(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+@checker("reduce_flat_grad", hint="out = torch.empty(flat_grad.numel() // world); "
+                                  "collectives.reduce_scatter_tensor(out, flat_grad); return out / world")
+def check_reduce_flat_grad(reduce_flat_grad):
+    """Run ``reduce_flat_grad`` on 2 ranks after one backward and compare with the sharded
+    gradient fsdp_lab's FSDP1 computes from the same model and data."""
+    out = launch(_reduce_case, reduce_flat_grad, world_size=REDUCE_WORLD, timeout=CHECK_TIMEOUT)
+    if any(is_placeholder(o["result"]) for o in out):
+        return placeholder_left("reduce_flat_grad")
+    if not all(isinstance(o["result"], torch.Tensor) for o in out):
+        return mistake("not_a_tensor", "return this rank's shard of the averaged gradient as a tensor")
+    if all(_close(o["result"], o["reference"]) for o in out):
+        shard = out[0]["shard_numel"]
+        return correct(f"each rank holds the same {shard:,} averaged gradient values as FSDP1's sharded "
+                       f".grad: one reduce-scatter of the {out[0]['padded_numel']:,}-element flat gradient "
+                       f"({out[0]['padded_numel'] * 4 / 2**20:.2f} MiB in fp32), then a division by "
+                       f"the world size {REDUCE_WORLD}")
+    total = [o["reference"] * REDUCE_WORLD for o in out]
+    if all(_close(o["result"], t) for o, t in zip(out, total)):
+        return mistake("not_averaged", f"each rank holds the sum of the {REDUCE_WORLD} ranks' gradients: "
+                                       "the loss is a mean over the whole batch, so divide by the world size")
+    full = torch.cat([o["reference"] for o in out])
+    if all(_close(o["result"], full) for o in out):
+        return mistake("whole_gradient", "every rank returned the whole averaged flat gradient (an "
+                                         "all-reduce); FSDP1 keeps only this rank's shard")
+    if all(_close(o["result"], o["local"][o["rank"] * o["shard_numel"]:(o["rank"] + 1) * o["shard_numel"]])
+           for o in out):
+        return mistake("not_reduced", "each rank returned its own gradient's piece: nothing was summed "
+                                      "over the ranks")
+    if all(_close(o["result"], out[1 - o["rank"]]["reference"]) for o in out):
+        return mistake("wrong_shard", "each rank holds the other rank's shard",
+                       "rank r keeps elements [r*S, (r+1)*S) of the flat gradient")
+    shapes = {tuple(o["result"].shape) for o in out}
+    if shapes != {(out[0]["shard_numel"],)}:
+        return mistake("wrong_size", f"the result has shape {sorted(shapes)[0]}; a shard has "
+                                     f"{out[0]['shard_numel']} elements (flat_grad.numel() // world)")
+    return mistake("wrong_values", "the shard differs from FSDP1's sharded gradient")

@@ -1,0 +1,167 @@
+"""Checkers for lab 05 (FSDP2, per-parameter sharding).
+
+* ``check_shard_param(shard_param, real=None)``: ``shard_param(param, world, rank)`` returns
+  rank ``rank``'s padded ``Shard(0)`` piece of ``param``: ``ceil(rows / world)`` rows, its own
+  rows of ``torch.chunk(param, world)`` on top and zeros below. Reference: ``torch.chunk``
+  (what PyTorch's FSDP2 uses) on many shapes and, when given, what real ranks of fsdp_lab's
+  ``fully_shard`` hold (``real``: {rank: (local rows, padded elements)} for one weight).
+* ``check_pre_forward(pre_forward)``: ``pre_forward(module, args)`` is a forward pre-hook that
+  all-gathers each of ``module.shards`` (this rank's padded shards) into the full parameter
+  (``module.rows[name]`` rows) and sets it on the module. Reference: the same ``nn.Linear``
+  run in one process with its full weights (on 4 ranks, 7 rows: one padding row).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fsdp_lab.launch import launch
+from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left
+
+HOOK_WORLD = 4
+HOOK_SHAPE = (7, 5)  # out_features, in_features of the checked nn.Linear: 7 rows on 4 ranks
+
+
+def reference_shard(param: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s padded ``Shard(0)`` piece: its chunk of ``torch.chunk(param, world)``
+    (possibly empty), zero-padded to ``ceil(rows / world)`` rows."""
+    rows = math.ceil(param.shape[0] / world)
+    chunks = torch.chunk(param.detach(), world, dim=0)
+    padded = param.new_zeros((rows, *param.shape[1:]))
+    if rank < len(chunks):
+        padded[:chunks[rank].shape[0]] = chunks[rank]
+    return padded
+
+
+def _cases():
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5, 3), (7,), (8, 2), (1, 4), (3, 3), (11, 2, 2)]
+    for shape in shapes:
+        for world in (2, 3, 4, 5):
+            yield torch.randn(shape, generator=gen), world
+
+
+@checker("shard_param", hint="rows = ceil(param.shape[0] / world); take this rank's chunk of "
+                             "torch.chunk(param, world, dim=0) (maybe none) and pad it with zero rows "
+                             "to `rows` rows")
+def check_shard_param(shard_param, real=None):
+    """Compare with ``reference_shard`` on 24 shapes x worlds and, when ``real`` is given, with
+    what fsdp_lab's fully_shard holds for a (5, 3) weight on ``len(real)`` ranks."""
+    for param, world in _cases():
+        rows = math.ceil(param.shape[0] / world)
+        for rank in range(world):
+            expected = reference_shard(param, world, rank)
+            got = shard_param(param.clone(), world, rank)
+            if is_placeholder(got):
+                return placeholder_left("shard_param")
+            if not isinstance(got, torch.Tensor):
+                return mistake("not_a_tensor", "return the padded shard as a tensor")
+            got = got.detach()
+            if got.shape == expected.shape and torch.equal(got, expected):
+                continue
+            where = f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}"
+            chunks = torch.chunk(param, world, dim=0)
+            own = chunks[rank] if rank < len(chunks) else param[:0]
+            if got.shape == own.shape and torch.equal(got, own):
+                return mistake("no_padding", f"{where}: you returned its {own.shape[0]} real rows; every "
+                                             f"rank stores {rows} rows (zeros below) so that all "
+                                             "all-gather inputs have one size")
+            if got.shape[0] == param.shape[0] // world and param.shape[0] % world:
+                return mistake("floor_rows", f"{where}: {got.shape[0]} rows is rows // world; a shard has "
+                                             f"ceil(rows / world) = {rows}")
+            if got.shape == expected.shape and own.shape[0] < rows and \
+                    torch.equal(got[rows - own.shape[0]:], own) and not got[:rows - own.shape[0]].any():
+                return mistake("padding_first", f"{where}: the zero rows are on top; FSDP2 puts the "
+                                                "padding below the real rows")
+            if got.dim() == param.dim() and param.dim() > 1 and got.shape[0] == param.shape[0]:
+                return mistake("wrong_dim", f"{where}: you cut along dim 1; Shard(0) cuts rows (dim 0)")
+            others = [r for r in range(world) if r != rank and got.shape == expected.shape
+                      and torch.equal(got, reference_shard(param, world, r))]
+            if others:
+                return mistake("wrong_rank", f"{where}: you returned rank {others[0]}'s piece",
+                               "rank r's rows start at r * ceil(rows / world)")
+            return mistake("wrong_values", f"{where}: expected shape {tuple(expected.shape)}, got "
+                                           f"{tuple(got.shape)} with other values")
+    if real is not None:
+        weight = torch.zeros(5, 3)
+        world = len(real)
+        for rank, (local_rows, padded_elements) in real.items():
+            got = shard_param(weight, world, rank)
+            if got.numel() != padded_elements:
+                return mistake("differs_from_fully_shard", f"rank {rank}: {got.numel()} elements, but "
+                                                           f"fully_shard's storage holds {padded_elements}")
+        rows = {rank: local for rank, (local, _) in real.items()}
+        return correct(f"every piece matches torch.chunk plus padding; for the 5x3 weight on {world} ranks "
+                       f"fully_shard's ranks hold {list(rows.values())} real rows in storages of "
+                       f"{math.ceil(5 / world)} rows each, as yours")
+    return correct("every piece matches torch.chunk plus zero rows up to ceil(rows / world)")
+
+
+def _hook_case(pre_forward):
+    """On each rank: an nn.Linear whose parameters are replaced by this rank's padded shards,
+    with ``pre_forward`` as its forward pre-hook; the output and what the hook set, beside a
+    one-process reference run of the same layer."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = torch.nn.Linear(HOOK_SHAPE[1], HOOK_SHAPE[0])
+    x = torch.randn(3, HOOK_SHAPE[1])
+    reference = full(x).detach()
+    layer = torch.nn.Linear(HOOK_SHAPE[1], HOOK_SHAPE[0])
+    layer.load_state_dict(full.state_dict())
+    layer.shards, layer.rows = {}, {}
+    for name in ("weight", "bias"):
+        param = layer._parameters.pop(name)
+        layer.shards[name] = reference_shard(param, world, rank)
+        layer.rows[name] = param.shape[0]
+        setattr(layer, name, None)
+    layer.register_forward_pre_hook(pre_forward)
+    try:
+        out = layer(x).detach()
+        error = ""
+    except RuntimeError as exc:   # shapes that do not multiply: reported by name below
+        out, error = None, str(exc).splitlines()[0]
+    seen = {name: (None if getattr(layer, name) is None else getattr(layer, name).detach().clone())
+            for name in ("weight", "bias")}
+    return {"out": out, "error": error, "reference": reference, "seen": seen,
+            "full": {n: p.detach().clone() for n, p in full.named_parameters()}}
+
+
+@checker("pre_forward", hint="for each name, shard in module.shards.items(): gathered = "
+                             "torch.empty(world * shard.shape[0], *shard.shape[1:]); "
+                             "collectives.all_gather_into_tensor(gathered, shard); "
+                             "setattr(module, name, gathered[:module.rows[name]])")
+def check_pre_forward(pre_forward):
+    """Run the hook on 4 ranks before an nn.Linear(5, 7) whose weights are sharded, and compare
+    the layer's output and gathered weights with the same layer run in one process."""
+    out = launch(_hook_case, pre_forward, world_size=HOOK_WORLD, timeout=CHECK_TIMEOUT)
+    first = out[0]
+    rows = HOOK_SHAPE[0]
+    padded = math.ceil(rows / HOOK_WORLD) * HOOK_WORLD
+    seen = first["seen"]["weight"]
+    if seen is None:
+        return mistake("not_set", "the hook did not set module.weight; setattr(module, name, full) for "
+                                  "each gathered parameter")
+    if seen.shape[0] == padded and padded != rows:
+        return mistake("kept_padding", f"the gathered weight has {padded} rows: the {HOOK_WORLD} padded "
+                                       f"shards end to end; drop the padding: keep the first {rows}")
+    if seen.shape[0] == math.ceil(rows / HOOK_WORLD):
+        return mistake("not_gathered", "the weight the layer used is this rank's shard; all-gather the "
+                                       "shards of every rank first")
+    if first["error"]:
+        return mistake("raised", f"the forward failed: {first['error']}")
+    if all(torch.allclose(o["out"], o["reference"], atol=1e-6) for o in out) and \
+            all(torch.equal(o["seen"][n], o["full"][n]) for o in out for n in ("weight", "bias")):
+        return correct(f"on {HOOK_WORLD} ranks the layer computed what the unsharded layer computes in one "
+                       f"process: each weight came back whole ({rows} rows from {HOOK_WORLD} padded shards of "
+                       f"{math.ceil(rows / HOOK_WORLD)}, {padded - rows} padding row dropped) — FSDP2's "
+                       "pre-forward all-gather, one collective per parameter here where fully_shard "
+                       "batches a group into one")
+    if seen.shape[0] == rows and not torch.equal(seen, first["full"]["weight"]):
+        return mistake("wrong_order", "the gathered weight has the right shape but the wrong rows; "
+                                      "all_gather_into_tensor puts rank r's shard at rows "
+                                      "[r*S, (r+1)*S)")
+    return mistake("wrong_output", "the layer's output differs from the unsharded layer's")

@@ -1,0 +1,178 @@
+"""Checkers for lab 07 (prefetch and overlap).
+
+Both take the learner's function and the lab's ``compare`` table (``fsdp_lab.compare``), whose
+timelines and counts were recorded from fsdp_lab's own FSDP1 and FSDP2: that is the reference.
+
+* ``check_backward_order(backward_order, table)``: the order of all-gathers, gradient computations
+  and reduce-scatters of the blocks in backward, for each prefetch setting, from the forward order.
+  Reference: the events of rank 0 recorded in the runs "fsdp2 block no-prefetch" / "fsdp1 block
+  none" (none), "fsdp2 block" / "fsdp1 block pre" (pre) and "fsdp1 block post" (post).
+* ``check_collectives_per_step(collectives_per_step, table)``: all-gathers, reduce-scatters and
+  their bytes in one step for a wrapping, from the units' parameter bytes. Reference: the counts
+  and bytes measured by the runs "fsdp2 block", "fsdp2 two_blocks", "fsdp2 model" and
+  "fsdp2 block keep-gathered".
+"""
+
+from __future__ import annotations
+
+from fsdp_lab.workshop.checking import checker, correct, is_placeholder, mistake, placeholder_left
+
+ORDER_RUNS = {"none": ["fsdp2 block no-prefetch", "fsdp1 block none"], "pre": ["fsdp2 block", "fsdp1 block pre"],
+              "post": ["fsdp1 block post"]}
+COUNT_RUNS = {"fsdp2 block": ("block", True), "fsdp2 two_blocks": ("two_blocks", True),
+              "fsdp2 model": ("model", True), "fsdp2 block keep-gathered": ("block", False)}
+
+
+def forward_order(timeline, rank: int = 0) -> list[str]:
+    """The blocks ("layers.N") in the order their forward ran on ``rank``."""
+    return [e.name.split()[0] for e in timeline.compute_events(rank)
+            if e.args.get("phase") == "forward" and e.name.startswith("layers.")]
+
+
+def recorded_backward(timeline, rank: int = 0) -> list[tuple[str, str]]:
+    """The backward events of the blocks on ``rank``, in start order: ("AG", unit) for an
+    all-gather, ("bwd", unit) for its gradient computation, ("RS", unit) for its reduce-scatter.
+    A block's backward all-gather can be issued before the first backward compute event (the root's
+    backward prefetches it), so the window starts right after the last forward event."""
+    events = [e for e in timeline.events if e.rank == rank]
+    last_forward = max(i for i, e in enumerate(events) if e.args.get("phase") == "forward")
+    out = []
+    for e in events[last_forward + 1:]:
+        if e.kind == "comm" and str(e.args.get("module", "")).startswith("layers."):
+            out.append(({"all_gather": "AG", "reduce_scatter": "RS"}[e.name], e.args["module"]))
+        elif e.kind != "comm" and e.args.get("phase") == "backward" and e.name.startswith("layers."):
+            out.append(("bwd", e.name.split()[0]))
+    return out
+
+
+def _show(events) -> str:
+    return " -> ".join(f"{kind} {unit}" for kind, unit in events)
+
+
+@checker("backward_order", hint="walk the blocks in reverse forward order; the first block's all-gather "
+                                "comes first; 'pre' issues the next block's all-gather before this block's "
+                                "bwd, 'post' right after it, 'none' only after this block's RS")
+def check_backward_order(backward_order, table):
+    """Compare ``backward_order(forward, prefetch)`` for prefetch "none", "pre" and "post" with the
+    backward events recorded by fsdp_lab's FSDP1 and FSDP2 in ``table``."""
+    forward = forward_order(table.timelines["fsdp2 block"])
+    answers = {mode: backward_order(list(forward), mode) for mode in ORDER_RUNS}
+    if any(is_placeholder(a) for a in answers.values()):
+        return placeholder_left("backward_order")
+    recorded = {mode: recorded_backward(table.timelines[names[0]]) for mode, names in ORDER_RUNS.items()}
+    answers = {mode: [tuple(e) for e in a] if isinstance(a, (list, tuple)) else a for mode, a in answers.items()}
+    if not all(isinstance(a, list) for a in answers.values()):
+        return mistake("not_a_list", "return a list of (kind, unit) pairs such as ('AG', 'layers.3')")
+    if all(a == recorded[m] for m, a in answers.items()):
+        return correct(f"your order is the one fsdp_lab's FSDP recorded for all three settings; with 'pre' "
+                       f"(FSDP1 BACKWARD_PRE, FSDP2's default) {_show(recorded['pre'][:3])}: two blocks are "
+                       "gathered at once, which is the extra unit in the peak")
+    first = answers["none"][:1]
+    if first and first[0][1] == forward[0]:
+        return mistake("forward_order", f"your backward starts with {forward[0]}: backward runs the blocks in "
+                                        f"reverse, starting with {forward[-1]}", hint="iterate over forward[::-1]")
+    if answers["pre"] == recorded["post"] and answers["post"] == recorded["pre"]:
+        return mistake("pre_post_swapped", "your 'pre' is what FSDP records for BACKWARD_POST and vice versa",
+                       hint="'pre' = before the current block's gradient computation")
+    for mode in ORDER_RUNS:
+        if answers[mode] != recorded[mode]:
+            return mistake(f"wrong_{mode}", f"with prefetch '{mode}' you gave\n    {_show(answers[mode])}\n  "
+                                            f"fsdp_lab's FSDP recorded\n    {_show(recorded[mode])}")
+    return mistake("wrong_order", "the order differs from the recorded one")
+
+
+def unit_bytes(model, wrapping: str) -> tuple[int, list[int]]:
+    """(root bytes, [bytes of each non-root unit]) of a Llama wrapped per ``wrapping`` ("block",
+    "two_blocks", "model"), float32 parameters, as ``fsdp_lab.compare`` wraps it."""
+    def nbytes(modules):
+        return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+    blocks = list(model.layers)
+    root = nbytes([model.tok_embeddings, model.norm, model.output])
+    if wrapping == "model":
+        return root + nbytes(blocks), []
+    size = 2 if wrapping == "two_blocks" else 1
+    return root, [nbytes(blocks[i:i + size]) for i in range(0, len(blocks), size)]
+
+
+@checker("collectives_per_step", hint="the root is gathered once (kept for backward); every other unit "
+                                      "twice when it reshards after forward (once otherwise); every unit "
+                                      "reduce-scatters once; bytes follow the counts")
+def check_collectives_per_step(collectives_per_step, table):
+    """Compare ``collectives_per_step(root_bytes, unit_bytes, reshard_after_forward)`` with the counts
+    and bytes fsdp_lab's FSDP2 recorded in ``table`` for four wrappings."""
+    from fsdp_lab.models.llama import Llama
+
+    model = Llama("cpu", seed=0)
+    keys = ("all_gathers", "reduce_scatters", "gathered_bytes", "reduced_bytes")
+    lines = []
+    for name, (wrapping, reshard) in COUNT_RUNS.items():
+        root, units = unit_bytes(model, wrapping)
+        answer = collectives_per_step(root, units, reshard)
+        if is_placeholder(answer):
+            return placeholder_left("collectives_per_step")
+        if not isinstance(answer, dict) or set(keys) - set(answer):
+            return mistake("not_a_dict", f"return a dict with the keys {', '.join(keys)}")
+        measured = {k: table.row(name)[k] for k in keys}
+        got = {k: answer[k] for k in keys}
+        if got != measured:
+            n = len(units)
+            if got["all_gathers"] == 1 + n and reshard and n:
+                return mistake("no_regather", f"{name}: you counted {got['all_gathers']} all-gathers, FSDP "
+                                              f"recorded {measured['all_gathers']}: a unit that reshards after "
+                                              "forward is gathered again for backward")
+            if got["all_gathers"] == 2 + 2 * n and reshard:
+                return mistake("root_regathered", f"{name}: you gather the root twice; the root is not resharded "
+                                                  "after forward (backward needs it at once)")
+            if not reshard and got["all_gathers"] == 1 + 2 * n:
+                return mistake("reshard_ignored", f"{name}: with reshard_after_forward=False nothing is gathered "
+                                                  "again for backward")
+            return mistake("wrong_count", f"{name}: you gave {got}, FSDP recorded {measured}")
+        lines.append(f"{name}: {got['all_gathers']} AG / {got['reduce_scatters']} RS")
+    return correct("your formula gives the counts and bytes fsdp_lab's FSDP2 recorded for every wrapping ("
+                   + "; ".join(lines) + "): they follow from the wrapping alone")
+
+
+def _union(intervals):
+    merged = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+@checker("overlap_fraction", hint="merge the comm intervals and the compute intervals into unions; sum the "
+                                  "lengths of their intersections; divide by the comm union's length (0.0 if none)")
+def check_overlap_fraction(overlap_fraction, table):
+    """Compare ``overlap_fraction(comm, compute)`` with ``Timeline.overlap()`` on every rank of every
+    timeline in ``table``, and on two hand-made cases (nested compute; no comm)."""
+    nested = overlap_fraction([(0.0, 4.0)], [(2.0, 6.0), (3.0, 5.0)])
+    if is_placeholder(nested):
+        return placeholder_left("overlap_fraction")
+    concurrent = overlap_fraction([(0.0, 4.0), (1.0, 3.0)], [(0.0, 2.0)])
+    if abs(nested - 0.5) > 1e-12:
+        if abs(nested - 0.75) < 1e-12:
+            return mistake("nested_counted_twice", "comm (0, 4) under compute (2, 6) and (3, 5) gave 0.75: the "
+                                                   "nested span (3, 5) was counted on top of (2, 6)",
+                           hint="merge the compute intervals into a union first")
+        return mistake("wrong_fraction", f"comm (0, 4) under compute (2, 6) and (3, 5) is half hidden; you gave {nested}")
+    if abs(concurrent - 0.5) > 1e-12:
+        return mistake("concurrent_comm_counted_twice", f"collectives (0, 4) and (1, 3) at once under compute "
+                                                        f"(0, 2) are half hidden; you gave {concurrent:.3f}",
+                       hint="merge the comm intervals into a union first")
+    if overlap_fraction([], [(0.0, 1.0)]) != 0.0:
+        return mistake("no_comm", "without comm the fraction is 0.0")
+    checked = 0
+    for name, tl in table.timelines.items():
+        for rank, expected in tl.overlap().items():
+            comm = [(e.t_start, e.t_end) for e in tl.comm_events(rank)]
+            compute = [(e.t_start, e.t_end) for e in tl.compute_events(rank)]
+            got = overlap_fraction(comm, compute)
+            if abs(got - expected) > 1e-9:
+                return mistake("differs_from_timeline", f"{name}, rank {rank}: you gave {got:.4f}, "
+                                                        f"Timeline.overlap() says {expected:.4f}")
+            checked += 1
+    return correct(f"your metric equals Timeline.overlap() on all {checked} (run, rank) pairs and on the "
+                   "hand-made cases (nested compute, concurrent collectives, no comm)")

@@ -1,0 +1,290 @@
+"""Workshop mode, the machinery: exercise markers and the two notebooks built from one source,
+checker verdicts (stubs, errors, hangs), lab files shared by both copies, `fsdp-lab lab`.
+
+The checkers of each lab, fed stubs, solutions and wrong answers on real ranks, are in
+tests/test_workshop_labs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+import pytest
+
+from fsdp_lab.launch import LaunchError, LaunchTimeout
+from fsdp_lab.workshop import checking, files
+from fsdp_lab.workshop.checking import checker, correct, mistake
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LABS = REPO / "labs"
+sys.path.insert(0, str(LABS / "src"))
+import nbbuild  # noqa: E402
+
+# every lab whose source has exercise cells (a lab gains exercises without touching this file)
+LABS_WITH_EXERCISES = [p.stem for p in sorted((LABS / "src").glob("[0-9][0-9]_*.py"))
+                       if nbbuild.has_exercises(nbbuild.load_cells(p))]
+
+
+# ----------------------------------------------------------------------------- markers
+
+
+MARKED = '''
+def f(x):
+    y = x + 1
+    ### BEGIN SOLUTION
+    return y * 2
+    ### END SOLUTION
+    ### STUB raise NotImplementedError("double y")
+'''
+
+
+def test_markers_split_into_stub_and_solution():
+    student, solution = nbbuild.split_markers(MARKED)
+    assert student.splitlines() == ["def f(x):", "    y = x + 1", '    raise NotImplementedError("double y")']
+    assert solution.splitlines() == ["def f(x):", "    y = x + 1", "    return y * 2"]
+
+
+def test_multiline_stub_keeps_its_own_indentation():
+    text = ('def g():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n'
+            '    ### STUB raise NotImplementedError("a "\n    ### STUB                           "b")\n')
+    student, _ = nbbuild.split_markers(text)
+    assert student.splitlines()[1:] == ['    raise NotImplementedError("a "',
+                                        '                              "b")']
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("x = 1\n", "needs at least one"),
+    ("### BEGIN SOLUTION\nx = 1\n", "without ### END"),
+    ("### END SOLUTION\n", "without ### BEGIN"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "inside another"),
+    ("### BEGIN SOLUTION\n### STUB x = 1\n### END SOLUTION\n", "inside a solution block"),
+    ("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n", "student version is not valid"),
+])
+def test_bad_markers_are_refused_with_the_reason(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        nbbuild.split_markers(text)
+
+
+def test_a_lab_without_exercises_builds_one_notebook_as_before(tmp_path, monkeypatch):
+    monkeypatch.setattr(nbbuild, "LABS", tmp_path)
+    monkeypatch.setattr(nbbuild, "SOLUTIONS", tmp_path / "solutions")
+    path = nbbuild.build("99_plain.py", [nbbuild.md("# hi"), nbbuild.code("x = 1")], execute=False,
+                         versions=("student", "solution"))
+    assert path == tmp_path / "99_plain.ipynb" and path.exists()
+    assert not (tmp_path / "solutions").exists()
+    nb = json.loads(path.read_text())
+    assert [c["id"] for c in nb["cells"]] == ["99-00", "99-01"]
+
+
+def test_a_lab_with_exercises_builds_both_copies_from_one_source(tmp_path, monkeypatch):
+    monkeypatch.setattr(nbbuild, "LABS", tmp_path)
+    monkeypatch.setattr(nbbuild, "SOLUTIONS", tmp_path / "solutions")
+    cells = [nbbuild.md("# lab"), nbbuild.exercise(MARKED), nbbuild.code("print(1)")]
+    nbbuild.build("98_ex.py", cells, execute=False, versions=("student", "solution"))
+    student = json.loads((tmp_path / "98_ex.ipynb").read_text())
+    solution = json.loads((tmp_path / "solutions" / "98_ex.ipynb").read_text())
+    assert "NotImplementedError" in "".join(student["cells"][1]["source"])
+    assert "return y * 2" not in "".join(student["cells"][1]["source"])
+    assert "return y * 2" in "".join(solution["cells"][1]["source"])
+    assert student["cells"][1]["metadata"]["tags"] == ["exercise"]
+    assert [c["id"] for c in student["cells"]] == [c["id"] for c in solution["cells"]]
+    assert cells[2].get("outputs") == []  # building copies cells: the source list is untouched
+
+
+def test_the_first_labs_have_exercises():
+    assert {"00_start_here", "01_collectives", "03_zero_by_hand"} <= set(LABS_WITH_EXERCISES)
+
+
+@pytest.mark.parametrize("lab", LABS_WITH_EXERCISES)
+def test_every_exercise_has_a_real_stub_and_a_solution(lab):
+    exercises = nbbuild.exercises(nbbuild.load_cells(LABS / "src" / f"{lab}.py"))
+    assert len(exercises) >= 2, f"{lab}: the lesson allows two exercises or more"
+    for ex in exercises:
+        assert "NotImplementedError" in ex.student or "..." in ex.student
+        assert "NotImplementedError" not in ex.solution and "###" not in ex.solution
+
+
+@pytest.mark.parametrize("lab", LABS_WITH_EXERCISES)
+def test_committed_notebooks_keep_solutions_apart(lab):
+    exercises = nbbuild.exercises(nbbuild.load_cells(LABS / "src" / f"{lab}.py"))
+    student = json.loads((LABS / f"{lab}.ipynb").read_text())
+    solution = json.loads((LABS / "solutions" / f"{lab}.ipynb").read_text())
+    sources = lambda nb: ["".join(c["source"]) for c in nb["cells"]]  # noqa: E731
+    for ex in exercises:
+        assert ex.student in sources(student) and ex.solution not in sources(student)
+        assert ex.solution in sources(solution)
+    # every code cell has run in both copies
+    for nb in (student, solution):
+        assert all(c.get("execution_count") for c in nb["cells"] if c["cell_type"] == "code")
+
+
+@pytest.mark.parametrize("lab", LABS_WITH_EXERCISES)
+def test_at_least_three_quarters_of_code_cells_are_compared(lab):
+    for path in (LABS / f"{lab}.ipynb", LABS / "solutions" / f"{lab}.ipynb"):
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        ignored = [c for c in cells if "nbval-ignore-output" in c["metadata"].get("tags", [])]
+        assert len(ignored) <= len(cells) / 4, f"{path.name}: {len(ignored)} of {len(cells)} ignored"
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+@checker("double", hint="return twice x")
+def check_double(fn):
+    if fn(2) == 4:
+        return correct("2 doubled is 4")
+    if fn(2) == 2:
+        return mistake("unchanged", "x came back unchanged")
+    return mistake("wrong", f"got {fn(2)}", "multiply by 2")
+
+
+def test_a_stub_is_not_solved_and_nothing_runs():
+    calls = []
+
+    def double(x):
+        calls.append(x)
+        raise NotImplementedError("return twice x")
+
+    verdict = check_double(double)
+    assert (verdict.status, verdict.mistake, calls) == (checking.NOT_SOLVED, "stub", [])
+    assert "`double` still raises NotImplementedError" in repr(verdict)
+    assert "hint: return twice x" in repr(verdict) and "Traceback" not in repr(verdict)
+
+
+def test_verdicts_for_right_and_wrong_answers():
+    right = check_double(lambda x: 2 * x)
+    assert right.solved and repr(right) == "[double] correct: 2 doubled is 4"
+    unchanged = check_double(lambda x: x)
+    assert (unchanged.status, unchanged.mistake) == (checking.WRONG, "unchanged")
+    assert unchanged.hint == "return twice x"           # the exercise's hint by default
+    assert check_double(lambda x: x + 5).hint == "multiply by 2"
+
+
+def test_an_error_is_one_line_and_a_placeholder_is_not_solved():
+    def broken(x):
+        return {}[x]
+
+    verdict = check_double(broken)
+    assert (verdict.mistake, verdict.message) == ("raised", "your code raised KeyError: 2")
+    assert check_double(lambda x: ... + 1).status == checking.NOT_SOLVED
+
+
+def test_a_stub_left_in_one_method_of_a_class_is_named():
+    class Stage:
+        def ready(self):
+            return 1
+
+        def todo(self):
+            raise NotImplementedError
+
+    assert checking.unfinished_parts(Stage) == ["Stage.todo"]
+    assert checking.unfinished_parts(lambda: 1) == []
+
+
+def test_failing_ranks_and_hangs_become_verdicts():
+    @checker("ranks", hint="h")
+    def check_ranks(error):
+        raise error
+
+    tb = 'Traceback (most recent call last):\n  File "x", line 1\nValueError: bad shard\n'
+    failed = check_ranks(LaunchError("rank 1 raised ValueError: bad shard\n--- traceback ---\n" + tb,
+                                     rank=1, traceback=tb))
+    assert failed.message == "rank 1 raised ValueError: bad shard"
+    stub = check_ranks(LaunchError("rank 0 raised NotImplementedError: write it", rank=0, traceback="x"))
+    assert stub.status == checking.NOT_SOLVED
+    hang = check_ranks(LaunchTimeout("timed out", ["all_reduce #2 (16 B)", "all_gather #2 (32 B)"]))
+    assert hang.mistake == "hang" and "rank 1: all_gather #2 (32 B)" in hang.message
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def test_both_copies_of_a_lab_use_the_same_figures_folder(tmp_path, monkeypatch):
+    (tmp_path / "solutions").mkdir()
+    for building, folder in (("1", "figures"), ("0", "my_figures")):
+        monkeypatch.setenv(files.BUILD_ENV, building)
+        learner = files.lab_files("07_x", cwd=tmp_path)
+        solution = files.lab_files("07_x", cwd=tmp_path / "solutions")
+        assert learner.figures == solution.figures == tmp_path / folder / "07_x"
+        assert (learner.solution, solution.solution) == (False, True)
+
+
+def test_only_the_lab_build_writes_the_committed_figures(tmp_path, monkeypatch):
+    (tmp_path / "figures" / "07_x").mkdir(parents=True)
+    (tmp_path / "figures" / "07_x" / "fig.txt").write_text("committed")
+    monkeypatch.delenv(files.BUILD_ENV, raising=False)
+    learner = files.lab_files("07_x", cwd=tmp_path)          # a learner's run, or nbval's
+    learner.save("fig.txt", lambda path: pathlib.Path(path).write_text("learner"))
+    assert (tmp_path / "figures" / "07_x" / "fig.txt").read_text() == "committed"
+    assert (tmp_path / "my_figures" / "07_x" / "fig.txt").read_text() == "learner"
+
+
+def test_the_solution_copy_never_overwrites_a_figure(tmp_path, monkeypatch):
+    monkeypatch.setenv(files.BUILD_ENV, "1")
+    (tmp_path / "solutions").mkdir()
+    learner = files.lab_files("07_x", cwd=tmp_path)
+    solution = files.lab_files("07_x", cwd=tmp_path / "solutions")
+    write = lambda text: lambda path: pathlib.Path(path).write_text(text)  # noqa: E731
+    solution.save("new.txt", write("from the solution"))      # missing: written
+    learner.save("fig.txt", write("learner"))
+    solution.save("fig.txt", write("solution"))               # present: left alone
+    learner.save("new.txt", write("learner again"))           # the learner's copy always writes
+    assert (learner.figures / "fig.txt").read_text() == "learner"
+    assert (learner.figures / "new.txt").read_text() == "learner again"
+    with pytest.raises(ValueError, match="NN_name"):
+        files.lab_files("figures")
+
+
+# ----------------------------------------------------------------------------- fsdp-lab lab
+
+
+@pytest.fixture
+def labs_copy(tmp_path):
+    """A copy of labs/src and lab 00's notebooks, for commands that write."""
+    labs = tmp_path / "labs"
+    shutil.copytree(LABS / "src", labs / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    (labs / "solutions").mkdir()
+    shutil.copy(LABS / "00_start_here.ipynb", labs)
+    shutil.copy(LABS / "solutions" / "00_start_here.ipynb", labs / "solutions")
+    yield labs
+    sys.modules["nbbuild"] = nbbuild  # the command loaded the copy's; lab sources import by name
+
+
+def test_lab_reset_brings_the_stubs_back_and_keeps_a_backup(labs_copy, capsys):
+    from fsdp_lab import cli
+
+    notebook = labs_copy / "00_start_here.ipynb"
+    edited = json.loads(notebook.read_text())
+    solved = json.loads((labs_copy / "solutions" / "00_start_here.ipynb").read_text())
+    edited["cells"] = solved["cells"]                        # the learner solved everything
+    notebook.write_text(json.dumps(edited))
+    assert cli.main(["lab", "--labs", str(labs_copy), "reset", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "00_start_here.ipynb: back to the learner's copy" in out
+    reset_cells = json.loads(notebook.read_text())["cells"]
+    shipped = json.loads((LABS / "00_start_here.ipynb").read_text())["cells"]
+    assert [c["source"] for c in reset_cells] == [c["source"] for c in shipped]
+    assert all(not c.get("outputs") for c in reset_cells if c["cell_type"] == "code")
+    backups = list((labs_copy / ".backup").glob("00_start_here-*.ipynb"))
+    assert len(backups) == 1 and json.loads(backups[0].read_text())["cells"] == solved["cells"]
+
+
+def test_lab_solution_and_list_say_where_things_are(labs_copy, capsys):
+    from fsdp_lab import cli
+
+    assert cli.main(["lab", "--labs", str(labs_copy), "list"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["00_start_here"] == ["2", "labs/solutions/00_start_here.ipynb"]
+    assert rows["02_memory_anatomy"] == ["2", "-"] and rows["03_zero_by_hand"] == ["4", "-"]
+    without = [lab for lab in rows if rows[lab][0] == "0"]  # labs not yet in workshop mode, if any
+
+    assert cli.main(["lab", "--labs", str(labs_copy), "solution", "start_here"]) == 0
+    assert f"jupyter lab {labs_copy / 'solutions' / '00_start_here.ipynb'}" in capsys.readouterr().out
+    if without:
+        assert cli.main(["lab", "--labs", str(labs_copy), "solution", without[0][:2]]) == 1
+        assert f"{without[0]} has no exercises" in capsys.readouterr().out
+    assert cli.main(["lab", "--labs", str(labs_copy), "reset", "42"]) == 2
+    assert "no lab named '42'; the labs are: 00_start_here" in capsys.readouterr().err

@@ -1,0 +1,132 @@
+"""Lab 04's checkers fed the shipped stub, the shipped solution and typical wrong answers.
+
+``check_rank_shard`` runs in this process against FSDP1's arithmetic (and, here, against the
+shards 3 real FSDP1 ranks hold for one block); ``check_reduce_flat_grad``'s answers all run in
+one shared launch and are compared with the sharded gradient fsdp_lab's FSDP1 computes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fsdp_lab
+from fsdp_lab import collectives
+from fsdp_lab.workshop import lab04
+from test_workshop_labs import SharedLaunch, refuse_launch, shipped
+
+LAB04 = shipped("04_fsdp1_flat_parameters")
+
+
+# ----------------------------------------------------------------------------- rank_shard
+
+def no_padding(params, world, rank):
+    flat = torch.cat([p.reshape(-1) for p in params])
+    shard = math.ceil(flat.numel() / world)
+    return flat[rank * shard:(rank + 1) * shard]
+
+
+def floor_shard(params, world, rank):
+    flat = torch.cat([p.reshape(-1) for p in params])
+    shard = flat.numel() // world
+    return flat[rank * shard:(rank + 1) * shard]
+
+
+def next_rank(params, world, rank):
+    flat = torch.cat([p.reshape(-1) for p in params])
+    shard = math.ceil(flat.numel() / world)
+    flat = torch.cat([flat, flat.new_zeros(shard * world - flat.numel())])
+    rank = (rank + 1) % world
+    return flat[rank * shard:(rank + 1) * shard]
+
+
+def padding_first(params, world, rank):
+    flat = torch.cat([p.reshape(-1) for p in params])
+    shard = math.ceil(flat.numel() / world)
+    flat = torch.cat([flat.new_zeros(shard * world - flat.numel()), flat])
+    return flat[rank * shard:(rank + 1) * shard]
+
+
+def _block_shards():
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
+    from fsdp_lab.models.llama import Llama, TransformerBlock
+
+    model = FSDP(Llama("cpu", seed=0), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+    (handle,) = [h for u in model.modules() if isinstance(u, FSDP) for h in u._handles
+                 if h.unit_name == "layers.0"]
+    return dist.get_rank(), handle.flat_shard.detach().clone()
+
+
+@pytest.fixture(scope="module")
+def real_block():
+    from fsdp_lab.models.llama import Llama
+
+    shards = dict(fsdp_lab.launch(_block_shards, world_size=3, timeout=300))
+    return shards, list(Llama("cpu", seed=0).layers[0].parameters())
+
+
+def test_rank_shard_verdicts(real_block):
+    shards, params = real_block
+    stub, solution = LAB04["rank_shard"]
+    assert lab04.check_rank_shard(stub, real_shards=shards, params=params).mistake == "stub"
+    right = lab04.check_rank_shard(solution, real_shards=shards, params=params)
+    # one block: 184,576 elements; 3 ranks -> ceil = 61,526 each, 184,578 padded, 2 zeros
+    assert right.solved and "184,576 elements, padded to 184,578 (2 zeros" in right.message
+    assert lab04.check_rank_shard(solution).solved
+    assert lab04.check_rank_shard(no_padding).mistake == "no_padding"
+    assert lab04.check_rank_shard(floor_shard).mistake == "floor_shard"
+    assert lab04.check_rank_shard(next_rank).mistake == "wrong_rank"
+    assert lab04.check_rank_shard(padding_first).mistake == "padding_first"
+
+
+def test_reference_shard_matches_a_hand_worked_case():
+    # 3 + 4 elements on 3 ranks: padded to 9, 3 per rank; rank 2 holds [a3? no: b1, b2, b3] + ...
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0, 7.0])
+    assert lab04.reference_shard([a, b], 3, 0).tolist() == [1.0, 2.0, 3.0]
+    assert lab04.reference_shard([a, b], 3, 1).tolist() == [4.0, 5.0, 6.0]
+    assert lab04.reference_shard([a, b], 3, 2).tolist() == [7.0, 0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- reduce_flat_grad
+
+def not_averaged(flat_grad):
+    import torch.distributed as dist
+    shard = torch.empty(flat_grad.numel() // dist.get_world_size())
+    collectives.reduce_scatter_tensor(shard, flat_grad)
+    return shard
+
+
+def all_reduced(flat_grad):
+    import torch.distributed as dist
+    collectives.all_reduce(flat_grad)
+    return flat_grad / dist.get_world_size()
+
+
+def own_piece(flat_grad):
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = flat_grad.numel() // world
+    return flat_grad[rank * n:(rank + 1) * n] / 1.0
+
+
+@pytest.fixture(scope="module")
+def lab04_launch():
+    solution = LAB04["reduce_flat_grad"][1]
+    cases = [(solution,), (not_averaged,), (all_reduced,), (own_piece,)]
+    return SharedLaunch(lab04._reduce_case, cases, world_size=lab04.REDUCE_WORLD)
+
+
+def test_reduce_flat_grad_verdicts(lab04_launch, monkeypatch):
+    stub, solution = LAB04["reduce_flat_grad"]
+    monkeypatch.setattr(lab04, "launch", refuse_launch)
+    assert lab04.check_reduce_flat_grad(stub).mistake == "stub"
+    monkeypatch.setattr(lab04, "launch", lab04_launch.launch)
+    right = lab04.check_reduce_flat_grad(solution)
+    assert right.solved and "divided" not in right.message and "world size 2" in right.message
+    assert lab04.check_reduce_flat_grad(not_averaged).mistake == "not_averaged"
+    assert lab04.check_reduce_flat_grad(all_reduced).mistake == "whole_gradient"
+    assert lab04.check_reduce_flat_grad(own_piece).mistake == "not_reduced"

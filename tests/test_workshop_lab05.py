@@ -1,0 +1,113 @@
+"""Lab 05's checkers fed the shipped stub, the shipped solution and typical wrong answers.
+
+``check_shard_param`` runs in this process against ``torch.chunk`` plus padding (and the
+storage sizes fsdp_lab's ``fully_shard`` gives a 5x3 weight on 4 ranks, measured here);
+``check_pre_forward``'s answers run in one shared launch and are compared with the same
+``nn.Linear`` computed in one process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fsdp_lab
+from fsdp_lab import collectives
+from fsdp_lab.workshop import lab05
+from test_workshop_labs import SharedLaunch, refuse_launch, shipped
+
+LAB05 = shipped("05_fsdp2_per_parameter")
+
+
+# ----------------------------------------------------------------------------- shard_param
+
+def unpadded(param, world, rank):
+    chunks = torch.chunk(param, world, dim=0)
+    return chunks[rank] if rank < len(chunks) else param[:0]
+
+
+def floor_rows(param, world, rank):
+    rows = param.shape[0] // world
+    return param[rank * rows:(rank + 1) * rows]
+
+
+def padding_on_top(param, world, rank):
+    rows = math.ceil(param.shape[0] / world)
+    mine = param[rank * rows:(rank + 1) * rows]
+    return torch.cat([param.new_zeros((rows - mine.shape[0], *param.shape[1:])), mine])
+
+
+def _fully_shard_5x3():
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from fsdp_lab.fsdp2 import fully_shard
+
+    w = fully_shard(nn.Linear(3, 5)).weight
+    return dist.get_rank(), (w.to_local().shape[0], w.to_local().untyped_storage().nbytes() // 4)
+
+
+def test_shard_param_verdicts():
+    stub, solution = LAB05["shard_param"]
+    assert lab05.check_shard_param(stub).mistake == "stub"
+    real = dict(fsdp_lab.launch(_fully_shard_5x3, world_size=4, timeout=300))
+    # 5 rows on 4 ranks: ceil = 2 rows each; real rows 2, 2, 1, 0; every storage 2 x 3 = 6 floats
+    assert real == {0: (2, 6), 1: (2, 6), 2: (1, 6), 3: (0, 6)}
+    right = lab05.check_shard_param(solution, real=real)
+    assert right.solved and "[2, 2, 1, 0] real rows" in right.message
+    assert lab05.check_shard_param(unpadded).mistake == "no_padding"
+    assert lab05.check_shard_param(floor_rows).mistake == "floor_rows"
+    assert lab05.check_shard_param(padding_on_top).mistake == "padding_first"
+
+
+# ----------------------------------------------------------------------------- pre_forward
+
+def kept_padding(module, args):
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world * shard.shape[0], *shard.shape[1:])
+        collectives.all_gather_into_tensor(gathered, shard)
+        setattr(module, name, gathered)
+
+
+def own_shard_only(module, args):
+    for name, shard in module.shards.items():
+        setattr(module, name, shard)
+
+
+def reversed_ranks(module, args):
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world * shard.shape[0], *shard.shape[1:])
+        collectives.all_gather_into_tensor(gathered, shard)
+        pieces = gathered.split(shard.shape[0])
+        setattr(module, name, torch.cat(pieces[::-1])[:module.rows[name]])
+
+
+@pytest.fixture(scope="module")
+def lab05_launch():
+    solution = LAB05["pre_forward"][1]
+    cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,)]
+    return SharedLaunch(lab05._hook_case, cases, world_size=lab05.HOOK_WORLD)
+
+
+def test_pre_forward_verdicts(lab05_launch, monkeypatch):
+    stub, solution = LAB05["pre_forward"]
+    monkeypatch.setattr(lab05, "launch", refuse_launch)
+    assert lab05.check_pre_forward(stub).mistake == "stub"
+    monkeypatch.setattr(lab05, "launch", lab05_launch.launch)
+    right = lab05.check_pre_forward(solution)
+    assert right.solved and "7 rows from 4 padded shards of 2, 1 padding row dropped" in right.message
+    assert lab05.check_pre_forward(kept_padding).mistake == "kept_padding"
+    assert lab05.check_pre_forward(own_shard_only).mistake == "not_gathered"
+    assert lab05.check_pre_forward(reversed_ranks).mistake == "wrong_order"
+
+
+def test_reference_shard_is_chunk_plus_zero_rows():
+    param = torch.arange(10.0).reshape(5, 2)
+    assert lab05.reference_shard(param, 4, 2).tolist() == [[8.0, 9.0], [0.0, 0.0]]
+    assert lab05.reference_shard(param, 4, 3).tolist() == [[0.0, 0.0], [0.0, 0.0]]

@@ -1,0 +1,130 @@
+"""Lab 06's checkers fed the shipped stub, the shipped solution and typical wrong answers.
+
+References inside the checkers: the mean gradient computed on one process (float32, and the
+same sum in bf16), and torch.amp.GradScaler stepping the whole gradient on one process. All
+answers of one exercise run in one launch (``SharedLaunch`` from test_workshop_labs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_lab import collectives
+from fsdp_lab.workshop import lab06
+from test_workshop_labs import SharedLaunch, refuse_launch, shipped
+
+LAB06 = shipped("06_mixed_precision")
+
+
+# ----------------------------------------------------------------------------- the reduction
+
+
+def megatron_optim_bug(local_grad, wire_dtype):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = local_grad.numel() // world
+    buffer = local_grad / world
+    reduced = torch.empty(k, dtype=wire_dtype)
+    collectives.reduce_scatter_tensor(reduced, buffer.to(wire_dtype))
+    local = buffer[rank * k:(rank + 1) * k]
+    local += reduced.float()                           # added into the un-reduced slice
+    return local
+
+
+def summed(local_grad, wire_dtype):
+    import torch.distributed as dist
+    shard = torch.empty(local_grad.numel() // dist.get_world_size(), dtype=wire_dtype)
+    collectives.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))
+    return shard.float()
+
+
+def fp32_wire(local_grad, wire_dtype):
+    import torch.distributed as dist
+    shard = torch.empty(local_grad.numel() // dist.get_world_size())
+    collectives.reduce_scatter_tensor(shard, local_grad, op="avg")
+    return shard
+
+
+def wire_dtype_returned(local_grad, wire_dtype):
+    import torch.distributed as dist
+    shard = torch.empty(local_grad.numel() // dist.get_world_size(), dtype=wire_dtype)
+    collectives.reduce_scatter_tensor(shard, local_grad.to(wire_dtype), op="avg")
+    return shard
+
+
+def via_all_reduce(local_grad, wire_dtype):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = local_grad.numel() // world
+    total = local_grad.to(wire_dtype)
+    collectives.all_reduce(total)
+    return total[rank * k:(rank + 1) * k].float() / world
+
+
+REDUCE_WRONG = {"added_to_local_shard": megatron_optim_bug, "not_averaged": summed, "wire_not_bf16": fp32_wire,
+                "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce}
+
+
+@pytest.fixture(scope="module")
+def reduce_launch():
+    solution = LAB06["reduce_grad_shard"][1]
+    return SharedLaunch(lab06._run_reduce, [(solution,)] + [(f,) for f in REDUCE_WRONG.values()],
+                        world_size=lab06.WORLD)
+
+
+def test_reduce_grad_shard_verdicts(reduce_launch, monkeypatch):
+    stub, solution = LAB06["reduce_grad_shard"]
+    monkeypatch.setattr(lab06, "launch", refuse_launch)
+    assert lab06.check_reduce_grad_shard(stub).mistake == "stub"
+    monkeypatch.setattr(lab06, "launch", reduce_launch.launch)
+    right = lab06.check_reduce_grad_shard(solution)
+    # 8 elements: 32 bytes in float32, 16 in bf16 per reduce-scatter
+    assert right.solved and "moved 16 bytes per reduce-scatter instead of 32" in right.message
+    for name, answer in REDUCE_WRONG.items():
+        assert lab06.check_reduce_grad_shard(answer).mistake == name, name
+
+
+# ----------------------------------------------------------------------------- loss scaling
+
+
+def local_only(grads, scale):
+    found = any(not torch.isfinite(g).all() for g in grads)
+    for g in grads:
+        g.mul_(1.0 / scale)
+    return found
+
+
+def isinf_only(grads, scale):
+    found = torch.tensor([float(any(torch.isinf(g).any() for g in grads))])
+    collectives.all_reduce(found, op="max")
+    for g in grads:
+        g.mul_(1.0 / scale)
+    return bool(found.item())
+
+
+def not_unscaled(grads, scale):
+    found = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))])
+    collectives.all_reduce(found, op="max")
+    return bool(found.item())
+
+
+SCALE_WRONG = {"local_only": local_only, "missed_nan": isinf_only, "not_unscaled": not_unscaled}
+
+
+@pytest.fixture(scope="module")
+def scale_launch():
+    solution = LAB06["unscale_and_check"][1]
+    return SharedLaunch(lab06._run_unscale, [(solution,)] + [(f,) for f in SCALE_WRONG.values()],
+                        world_size=lab06.WORLD)
+
+
+def test_unscale_and_check_verdicts(scale_launch, monkeypatch):
+    stub, solution = LAB06["unscale_and_check"]
+    monkeypatch.setattr(lab06, "launch", refuse_launch)
+    assert lab06.check_unscale_and_check(stub).mistake == "stub"
+    monkeypatch.setattr(lab06, "launch", scale_launch.launch)
+    right = lab06.check_unscale_and_check(solution)
+    assert right.solved and "divided by 1024" in right.message
+    for name, answer in SCALE_WRONG.items():
+        assert lab06.check_unscale_and_check(answer).mistake == name, name

@@ -1,0 +1,108 @@
+"""Lab 07's checkers fed the shipped stub, the shipped solution and typical wrong answers.
+
+The reference is a real ``fsdp_lab.compare`` table (one launch, the runs the checkers read):
+the backward events and the collective counts/bytes recorded by fsdp_lab's FSDP1 and FSDP2, and
+``Timeline.overlap()``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_lab.compare import compare
+from fsdp_lab.workshop import lab07
+from test_workshop_labs import shipped
+
+LAB07 = shipped("07_prefetch_and_overlap")
+
+
+@pytest.fixture(scope="module")
+def table():
+    runs = [dict(name="fsdp2 block"), dict(name="fsdp2 block no-prefetch", prefetch="none"),
+            dict(name="fsdp2 block keep-gathered", reshard_after_forward=False),
+            dict(name="fsdp2 two_blocks", wrapping="two_blocks"), dict(name="fsdp2 model", wrapping="model"),
+            dict(name="fsdp1 block pre", implementation="fsdp1", prefetch="backward_pre"),
+            dict(name="fsdp1 block post", implementation="fsdp1", prefetch="backward_post"),
+            dict(name="fsdp1 block none", implementation="fsdp1", prefetch="none")]
+    return compare(runs, model="cpu", steps=2, world_size=2, batch_size=4, seq_len=32)
+
+
+def test_recorded_orders_agree_between_fsdp1_and_fsdp2(table):
+    # the reference: both implementations record the same backward order for the same setting
+    for names in lab07.ORDER_RUNS.values():
+        orders = {tuple(lab07.recorded_backward(table.timelines[n])) for n in names}
+        assert len(orders) == 1, names
+
+
+# ----------------------------------------------------------------------------- backward order
+
+
+def forward_not_reversed(forward, prefetch):
+    return [e for b in forward for e in (("AG", b), ("bwd", b), ("RS", b))]
+
+
+def swapped(forward, prefetch):
+    solution = LAB07["backward_order"][1]
+    return solution(forward, {"pre": "post", "post": "pre"}.get(prefetch, prefetch))
+
+
+def prefetch_ignored(forward, prefetch):
+    return LAB07["backward_order"][1](forward, "none")
+
+
+def test_backward_order_verdicts(table):
+    stub, solution = LAB07["backward_order"]
+    assert lab07.check_backward_order(stub, table).mistake == "stub"
+    right = lab07.check_backward_order(solution, table)
+    assert right.solved and "AG layers.3 -> AG layers.2 -> bwd layers.3" in right.message
+    assert lab07.check_backward_order(forward_not_reversed, table).mistake == "forward_order"
+    assert lab07.check_backward_order(swapped, table).mistake == "pre_post_swapped"
+    assert lab07.check_backward_order(prefetch_ignored, table).mistake == "wrong_pre"
+
+
+# ----------------------------------------------------------------------------- collectives per step
+
+
+def no_regather(root, units, reshard):
+    return {"all_gathers": 1 + len(units), "reduce_scatters": 1 + len(units),
+            "gathered_bytes": root + sum(units), "reduced_bytes": root + sum(units)}
+
+
+def root_twice(root, units, reshard):
+    k = 2 if reshard else 1
+    return {"all_gathers": k * (1 + len(units)), "reduce_scatters": 1 + len(units),
+            "gathered_bytes": k * (root + sum(units)), "reduced_bytes": root + sum(units)}
+
+
+def reshard_ignored(root, units, reshard):
+    return {"all_gathers": 1 + 2 * len(units), "reduce_scatters": 1 + len(units),
+            "gathered_bytes": root + 2 * sum(units), "reduced_bytes": root + sum(units)}
+
+
+def test_collectives_per_step_verdicts(table):
+    stub, solution = LAB07["collectives_per_step"]
+    assert lab07.check_collectives_per_step(stub, table).mistake == "stub"
+    right = lab07.check_collectives_per_step(solution, table)
+    assert right.solved and "fsdp2 block: 9 AG / 5 RS" in right.message and "fsdp2 model: 1 AG / 1 RS" in right.message
+    assert lab07.check_collectives_per_step(no_regather, table).mistake == "no_regather"
+    assert lab07.check_collectives_per_step(root_twice, table).mistake == "root_regathered"
+    assert lab07.check_collectives_per_step(reshard_ignored, table).mistake == "reshard_ignored"
+
+
+# ----------------------------------------------------------------------------- overlap metric
+
+
+def no_union(comm, compute):
+    total = sum(b - a for a, b in comm)
+    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
+    return hidden / total if total > 0 else 0.0
+
+
+def test_overlap_fraction_verdicts(table):
+    stub, solution = LAB07["overlap_fraction"]
+    assert lab07.check_overlap_fraction(stub, table).mistake == "stub"
+    right = lab07.check_overlap_fraction(solution, table)
+    assert right.solved and "on all 16 (run, rank) pairs" in right.message
+    assert lab07.check_overlap_fraction(no_union, table).mistake == "nested_counted_twice"
+    with_zero_division = lambda comm, compute: no_union(comm, compute) if comm else 1 / 0  # noqa: E731
+    assert lab07.check_overlap_fraction(with_zero_division, table).status == "wrong"

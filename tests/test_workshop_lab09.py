@@ -1,0 +1,83 @@
+"""Lab 09's checkers (slaying OOMs) on the shipped stubs, the shipped solutions and typical
+wrong answers; and the allocation-site OOM and emulated retry count of ``memory_budget``.
+
+References: the agreement's verdicts against a formula over both ranks' flags (and
+fsdp_lab.oom's own all-reduce); the step-down rule against AutoMicrobatch's rule; the
+allocation-site OOM against a hand count of a forward's allocations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_lab import collectives
+from fsdp_lab.oom import memory_budget
+from fsdp_lab.workshop import lab09
+from test_workshop_labs import shipped
+
+SHIPPED = shipped("09_slaying_ooms")
+
+
+def sum_flags(oom, not_done):
+    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    collectives.all_reduce(t)  # SUM: counts ranks
+    return int(t[0]), 1 - int(t[1])
+
+
+def two_all_reduces(oom, not_done):
+    a, b = torch.tensor([oom], dtype=torch.int32), torch.tensor([1 - not_done], dtype=torch.int32)
+    collectives.all_reduce(a, op="max")
+    collectives.all_reduce(b, op="min")
+    return int(a), int(b)
+
+
+def forgot_one_minus(oom, not_done):
+    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    collectives.all_reduce(t, op="max")
+    return int(t[0]), int(t[1])
+
+
+def test_agreement_checker():
+    stub, solution = SHIPPED["agreement"]
+    assert lab09.check_agreement(stub).mistake == "stub"
+    assert lab09.check_agreement(solution).solved
+    assert lab09.check_agreement(sum_flags).mistake == "sum"
+    assert lab09.check_agreement(two_all_reduces).mistake == "two_all_reduces"
+    assert lab09.check_agreement(forgot_one_minus).mistake == "not_done"
+
+
+def test_expected_is_the_formula():
+    assert lab09.expected(((1, 0), (0, 1))) == (1, 0)
+    assert lab09.expected(((0, 0), (0, 0))) == (0, 1)
+
+
+def test_next_microbatch_checker():
+    stub, solution = SHIPPED["next_microbatch"]
+    assert lab09.check_next_microbatch(stub).mistake == "stub"
+    assert lab09.check_next_microbatch(solution).solved
+    assert lab09.check_next_microbatch(lambda b, f, m=1: max(f // 2, 1)).mistake == "plain_halving"
+    assert lab09.check_next_microbatch(lambda b, f, m=1: f).mistake == "no_step_down"
+
+
+def test_fail_at_raises_at_the_nth_allocation_of_a_phase():
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))  # labels: "forward 0 start", ...
+    x = torch.randn(4, 8)
+    with pytest.raises(torch.OutOfMemoryError, match="allocation 1 of phase 'forward'"):
+        with memory_budget(None, model=lin, fail_at=("forward", 1)) as tracker:
+            lin(x)
+    assert tracker.failures == 1 and tracker.failed_at.startswith("forward")
+    with pytest.raises(ValueError, match="fail_at"):
+        with memory_budget(None, fail_at=("forward", 0)):
+            pass
+
+
+def test_retry_above_counts_each_crossing():
+    with memory_budget(None, retry_above=1000) as tracker:
+        a = torch.zeros(200)      # 800 B: under the line
+        b = torch.zeros(100)      # 1200 B in all: crosses once
+        c = torch.zeros(100)      # still above: no new crossing
+        del b, c
+        d = torch.zeros(100)      # 800 + 400 = 1200 again: a second crossing
+    assert tracker.alloc_retries == 2
+    del a, d
