@@ -4,7 +4,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from nbbuild import build, code, md  # noqa: E402
+from nbbuild import build, code, exercise, md  # noqa: E402
 
 CELLS = [
     md("""
@@ -16,10 +16,18 @@ CELLS = [
     2. run a function written in this notebook on N processes with `fsdp_lab.launch`;
     3. exchange data between ranks with one collective;
     4. recognise what happens when a rank fails or two ranks disagree on a collective — an error that
-       names the rank, never a notebook that hangs.
+       names the rank, never a notebook that hangs;
+    5. write two small pieces of data-parallel code yourself: a mean over ranks that hold different
+       amounts of data, and the range of elements a rank owns in a sharded tensor.
 
     Everything here runs on a laptop CPU (the *gloo* backend). On a machine with GPUs the same cells use
     NCCL and one GPU per rank.
+
+    **How the exercises work.** An exercise cell holds a stub, `raise NotImplementedError("…")`, under a
+    statement of the task: replace the stub with your code, run the cell, then run the checking cell below
+    it. The checker runs your code (on real ranks where it needs them) against an independent reference and
+    says *correct*, *not solved yet*, or which mistake it sees. Solutions are in `labs/solutions/`;
+    `fsdp-lab lab reset 00` puts this notebook back the way it was shipped (your copy is kept as a backup).
     """),
     code("""
     %matplotlib inline
@@ -30,9 +38,9 @@ CELLS = [
     import fsdp_lab
     from fsdp_lab import collectives
     from fsdp_lab.dist import choose_backend
+    from fsdp_lab.workshop import lab_files, lab00
 
-    FIGURES = "figures/00_start_here"
-    os.makedirs(FIGURES, exist_ok=True)
+    files = lab_files("00_start_here")   # labs/figures/00_start_here, from labs/ or labs/solutions/
     print(f"torch {torch.__version__} | python {platform.python_version()} | "
           f"GPUs: {torch.cuda.device_count()} | cores: {os.cpu_count()} | backend for 2 ranks: {choose_backend(2)}")
     """, tags=["nbval-ignore-output"]),
@@ -95,8 +103,20 @@ CELLS = [
     from fsdp_lab.viz import plot_collective
     axes = plot_collective("all_reduce", [b for b, _ in out], [a for _, a in out])
     axes[0].figure.suptitle("all_reduce on 4 ranks: every rank ends with the sum")
-    axes[0].figure.savefig(f"{FIGURES}/all_reduce_4_ranks.png", dpi=100, bbox_inches="tight")
+    files.savefig(axes[0].figure, "all_reduce_4_ranks.png", dpi=100, bbox_inches="tight")
     plt.show()
+    """),
+    md("""
+    A collective can answer questions no single rank can. Every rank below returns the world size without
+    asking for it: each contributes a 1, and the all-reduce sums one 1 per rank.
+    """),
+    code("""
+    def count_ranks():
+        t = torch.ones(1)
+        collectives.all_reduce(t)
+        return int(t.item())
+
+    print("each rank counted:", fsdp_lab.launch(count_ranks, world_size=3))
     """),
     md("""
     ## 4. When a rank fails
@@ -122,22 +142,28 @@ CELLS = [
 
     The classic distributed bug: one rank skips a collective the others enter. The others wait forever —
     unless something stops them (if the skipping rank simply *exits*, its peers get a "connection closed"
-    error instead, which `launch` reports like any failure). `launch(..., timeout=…)` ends the run and reports, per rank, the last
-    collective it entered, which usually points straight at the mismatch.
+    error instead, which `launch` reports like any failure). `launch(..., timeout=…)` ends the run and
+    reports, per rank, the last collective it entered, which usually points straight at the mismatch.
+
+    In that report `#N` numbers the collectives one rank has entered since it started, **of every kind**:
+    `all_gather #2` means "rank 1's second collective, which was an all-gather" (its first all-gather),
+    not "the second all-gather". Rank 0 is in its second collective, an all-reduce; rank 1 is in its
+    second, an all-gather: the two ranks disagree about what collective #2 is — that is the bug.
+    The timeout covers the whole launch, starting the ranks included, so it is generous here.
     """),
     code("""
     def rank_1_skips_the_all_reduce():
         import torch.distributed as dist
         t = torch.ones(4)
-        collectives.all_reduce(t)                 # everybody: all_reduce #1
+        collectives.all_reduce(t)                 # every rank's collective #1: an all-reduce
         if dist.get_rank() == 0:
-            collectives.all_reduce(t)             # rank 0 waits in all_reduce #2 ...
-        else:                                     # ... while rank 1 skipped it and is already
-            collectives.all_gather_into_tensor(torch.empty(8), t)   # in the next step's all-gather
+            collectives.all_reduce(t)             # rank 0's collective #2: an all-reduce ...
+        else:                                     # ... while rank 1 skipped it: its collective #2
+            collectives.all_gather_into_tensor(torch.empty(8), t)   # is the next step's all-gather
         return t
 
     try:
-        fsdp_lab.launch(rank_1_skips_the_all_reduce, world_size=2, timeout=6)
+        fsdp_lab.launch(rank_1_skips_the_all_reduce, world_size=2, timeout=30)
     except fsdp_lab.LaunchTimeout as error:
         for rank, last in enumerate(error.last_collectives):
             print(f"rank {rank} last entered: {last}")
@@ -174,20 +200,47 @@ CELLS = [
     explorer.show();
     """, tags=["nbval-ignore-output"]),
     md("""
-    ## 6. Exercise
+    ## 6. Exercise: a mean over ranks that hold different amounts of data
 
-    Write `count_ranks()` so that **every** rank returns the world size computed *only* with a collective
-    (no `dist.get_world_size()`): hint — all-reduce a one. The checking cell runs it on 3 ranks.
+    In data-parallel training each rank computes a loss over *its* tokens, and ranks may hold different
+    numbers of tokens (sequences of different lengths, padding). Write `global_mean(values)`: it runs on
+    every rank, `values` is that rank's 1-D tensor (rank r holds r + 1 values here), and it returns — on
+    **every** rank — the mean of all values of all ranks, as a number. Use `collectives`; do not collect
+    the values in one place. The check runs it on 3 ranks.
+    """),
+    exercise("""
+    def global_mean(values):
+        ### BEGIN SOLUTION
+        totals = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=values.dtype)])
+        collectives.all_reduce(totals)           # [sum of all values, number of all values]
+        return (totals[0] / totals[1]).item()
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("sum over ranks the total and the count of the values, then divide")
     """),
     code("""
-    def count_ranks():
-        t = torch.ones(1)
-        collectives.all_reduce(t)
-        return int(t.item())
+    lab00.check_global_mean(global_mean)
+    """),
+    md("""
+    ## 7. Exercise: which elements does a rank own?
+
+    FSDP splits a tensor of `numel` elements into `world` contiguous shards of equal size, padding the end
+    so the sizes match (an all-gather needs equal shards). Write `shard_range(numel, rank, world)` returning
+    the `(start, end)` of the elements rank `rank` owns (end exclusive, as in `t[start:end]`); a rank that
+    owns only padding gets an empty range `(numel, numel)`. For 10 elements on 4 ranks each shard has 3
+    slots: rank 3 owns element 9 and two slots of padding. The check compares with the boundaries
+    fsdp_lab's own FSDP (lab 04) uses.
+    """),
+    exercise("""
+    def shard_range(numel, rank, world):
+        ### BEGIN SOLUTION
+        per = -(-numel // world)                 # ceil(numel / world): slots per rank, padding included
+        start = min(rank * per, numel)
+        return start, min(start + per, numel)
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("per = ceil(numel / world); return (start, end) clipped to numel")
     """),
     code("""
-    answers = fsdp_lab.launch(count_ranks, world_size=3)
-    print("correct" if answers == [3, 3, 3] else f"not yet: every rank should return 3, got {answers}")
+    lab00.check_shard_range(shard_range)
     """),
     md("""
     ## Summary
@@ -196,7 +249,11 @@ CELLS = [
       call the same collectives in the same order.
     * `fsdp_lab.launch(fn, world_size=N)` runs notebook code on N ranks and returns their results.
     * A failing rank is an error that names it; a mismatched collective is a timeout that names each
-      rank's last collective — nothing hangs.
+      rank's last collective (`#N`: the rank's N-th collective of any kind) — nothing hangs.
+    * A mean over ranks that hold different amounts of data needs the sum *and* the count reduced; the
+      mean of the ranks' means is wrong as soon as they hold different amounts.
+    * A sharded tensor gives each rank `ceil(numel / world)` slots, the last ones padding, so every shard
+      has the same size.
 
     Next: **lab 01** — what all-gather, reduce-scatter and all-reduce do, what they cost, and how to read
     a collective timeline.

@@ -4,7 +4,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from nbbuild import build, code, md  # noqa: E402
+from nbbuild import build, code, exercise, md  # noqa: E402
 
 CELLS = [
     md("""
@@ -14,8 +14,11 @@ CELLS = [
 
     1. See all-gather, reduce-scatter and all-reduce rank by rank on small tensors.
     2. Check on real ranks that **reduce-scatter + all-gather = all-reduce** — the identity FSDP is built on.
-    3. Measure bandwidth the way nccl-tests defines it (algbw, busbw).
+    3. Measure bandwidth the way nccl-tests defines it (algbw, busbw), and place gloo on a laptop
+       against NVLink, PCIe and InfiniBand.
     4. Record and read a collective timeline, and see communication overlap computation.
+    5. Build an all-reduce from a reduce-scatter and an all-gather, and a reduce-scatter from an
+       all-reduce — and see what each costs on the wire.
     """),
     code("""
     %matplotlib inline
@@ -28,9 +31,9 @@ CELLS = [
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_collective, plot_timeline
     from fsdp_lab.viz.widgets import Explorer
+    from fsdp_lab.workshop import lab_files, lab01
 
-    FIGURES = "figures/01_collectives"
-    os.makedirs(FIGURES, exist_ok=True)
+    files = lab_files("01_collectives")   # labs/figures/01_collectives, from labs/ or labs/solutions/
     print(f"torch {torch.__version__} | GPUs: {torch.cuda.device_count()} | cores: {os.cpu_count()}")
     """, tags=["nbval-ignore-output"]),
     md("""
@@ -83,15 +86,21 @@ CELLS = [
         plot_collective(op, [b for b, _ in out], [a for _, a in out], axes=axes[row])
         axes[row][0].set_ylabel(op)
     fig.tight_layout()
-    fig.savefig(f"{FIGURES}/collectives_3_ranks.png", dpi=100)
+    files.savefig(fig, "collectives_3_ranks.png", dpi=100)
     plt.show()
     """),
     md("""
     ### reduce-scatter + all-gather = all-reduce
 
-    FSDP never all-reduces gradients: it reduce-scatters them (each rank keeps the sum of *its shard*)
-    and all-gathers parameters when it needs them whole. Together the two move the same bytes as one
-    all-reduce — a ring all-reduce *is* a reduce-scatter followed by an all-gather.
+    DDP all-reduces gradients: every rank ends with the whole sum. FSDP's sharded strategies
+    (FSDP1's `FULL_SHARD` and `SHARD_GRAD_OP`, FSDP2's `fully_shard`) reduce-scatter them instead: each
+    rank keeps only the sum of *its shard*, the part its optimizer updates, and parameters are
+    all-gathered when they are needed whole. FSDP does all-reduce in two cases: `NO_SHARD` is DDP (one
+    all-reduce of the flat gradient), and `HYBRID_SHARD` / HSDP reduce-scatters inside a shard group and
+    then all-reduces each shard across the replica groups (PyTorch: `_reduce_grad_no_shard` and
+    `_reduce_grad` in `torch/distributed/fsdp/_runtime_utils.py`; FSDP2's `foreach_reduce`). A
+    reduce-scatter and an all-gather together move the same bytes as one all-reduce — a ring all-reduce
+    *is* a reduce-scatter followed by an all-gather:
     """),
     code("""
     def identity_check():
@@ -124,13 +133,56 @@ CELLS = [
         print(f"{op:15s} algbw {algbw / 1e9:5.2f} GB/s   busbw {busbw / 1e9:5.2f} GB/s")
     """),
     md("""
-    Measured here (timings vary from run to run, so this cell's output is not checked):
+    What is a good busbw? nccl-tests defines it so that it can be compared with the peak bandwidth
+    of the link that is the bottleneck, in one direction, whatever the number of ranks
+    ([nccl-tests, doc/PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)).
+    Vendors quote both directions together; halved, the peaks per GPU are:
+
+    | link | quoted (both directions) | one direction | source |
+    | --- | --- | --- | --- |
+    | NVLink 4, H100 SXM (18 links) | 900 GB/s | 450 GB/s | [NVIDIA, NVLink and NVSwitch](https://www.nvidia.com/en-us/data-center/nvlink/); H100 datasheet |
+    | NVLink 3, A100 SXM (12 links) | 600 GB/s | 300 GB/s | same page; A100 datasheet |
+    | PCIe 5.0 x16 | 128 GB/s | 64 GB/s | H100 datasheet ("PCIe Gen5: 128GB/s") |
+    | PCIe 4.0 x16 | 64 GB/s | 32 GB/s | A100 datasheet ("PCIe Gen4: 64GB/s") |
+    | InfiniBand NDR, one port | 400 Gb/s | 50 GB/s | NVIDIA ConnectX-7 / Quantum-2 (NDR 400 Gb/s) |
+    | InfiniBand HDR, one port | 200 Gb/s | 25 GB/s | NVIDIA ConnectX-6 (HDR 200 Gb/s) |
+
+    These are the links' peaks: a measured busbw stays below them. Inside one node the GPUs talk over
+    NVLink (or PCIe without it); between nodes a collective is bounded by the network, typically one
+    InfiniBand port per GPU. gloo moves bytes over TCP on the loopback interface, driven by the CPU.
+    Measured here, beside those peaks (timings vary from run to run, so this cell's output is not checked;
+    the orders of magnitude do not change):
     """),
     code("""
     rows = collectives.benchmark("all", [1 << 16, 1 << 20, 1 << 23], world_size=2, iters=5)
     print(f"{'op':15s} {'bytes':>10s} {'time (ms)':>10s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}")
     for r in rows:
         print(f"{r['op']:15s} {r['bytes']:10d} {r['time_s'] * 1e3:10.3f} {r['algbw_GBps']:11.3f} {r['busbw_GBps']:11.3f}")
+
+    # Published peaks, GB/s in one direction per GPU (sources in the table above).
+    PEAK_GBPS = {"NVLink 4 (H100 SXM)": 450, "NVLink 3 (A100 SXM)": 300, "PCIe 5.0 x16": 64,
+                 "InfiniBand NDR port": 50, "PCIe 4.0 x16": 32, "InfiniBand HDR port": 25}
+    largest = max(r["bytes"] for r in rows)
+    measured = {r["op"]: r["busbw_GBps"] for r in rows if r["bytes"] == largest}
+    for op, gbps in measured.items():
+        print(f"gloo {op:15s} busbw {gbps:7.3f} GB/s at {largest >> 20} MiB")
+    best = max(measured.values())
+    for link, gbps in PEAK_GBPS.items():
+        print(f"{link:22s} {gbps:4d} GB/s = {gbps / best:8,.0f}x gloo's best here")
+
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for op in ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]:
+        pts = [(r["bytes"] / 2**20, r["busbw_GBps"]) for r in rows if r["op"] == op]
+        ax.plot(*zip(*pts), marker="o", label=f"gloo {op} (measured)")
+    for link, gbps in PEAK_GBPS.items():
+        ax.axhline(gbps, color="grey", lw=0.8, ls="--")
+        ax.text(pts[0][0], gbps * 1.08, link, fontsize=7, color="dimgrey")
+    ax.set_xscale("log", base=2); ax.set_yscale("log")
+    ax.set_xlabel("collective size S (MiB)"); ax.set_ylabel("busbw (GB/s)")
+    ax.set_title("busbw measured here (2 ranks, gloo) against published link peaks")
+    ax.legend(fontsize=7, loc="lower right")
+    files.savefig(fig, "busbw_vs_links.png", dpi=100, bbox_inches="tight")
+    plt.show()
     """, tags=["nbval-ignore-output"]),
     md("""
     On CPU, gloo has no real reduce-scatter (it all-reduces the whole buffer, twice the traffic);
@@ -167,15 +219,17 @@ CELLS = [
     print("bytes per all-gather:", {e.bytes for e in comm}, "=", 4 << 20, "x 2 ranks")
     """),
     code("""
-    print("fraction of comm time hidden under compute, per rank:",
-          {rank: f"{frac:.0%}" for rank, frac in timeline.overlap().items()})
-    ax = plot_timeline(timeline, title="2 async all-gathers (overlapped), then 2 synchronous ones")
-    ax.figure.savefig(f"{FIGURES}/timeline_overlap.png", dpi=100, bbox_inches="tight")
-    timeline.to_chrome_trace(f"{FIGURES}/timeline_overlap.json")   # open in https://ui.perfetto.dev
+    hidden = ", ".join(f"rank {rank} {frac:.0%}" for rank, frac in timeline.overlap().items())
+    ax = plot_timeline(timeline, title="2 async all-gathers (overlapped), then 2 synchronous ones; "
+                                       f"comm time hidden under compute: {hidden}")
+    files.savefig(ax.figure, "timeline_overlap.png", dpi=100, bbox_inches="tight")
+    files.save("timeline_overlap.json", timeline.to_chrome_trace)   # open in https://ui.perfetto.dev
     plt.show()
-    """, tags=["nbval-ignore-output"]),
+    """),
     md("""
-    The JSON written above opens in Perfetto or `chrome://tracing`: one process per rank, one row per lane.
+    The title gives `timeline.overlap()`: the fraction of each rank's comm time during which compute also
+    ran (it changes from run to run, so it is only in the figure). The JSON written above opens in
+    Perfetto or `chrome://tracing`: one process per rank, one row per lane.
 
     ## 5. Explore
 
@@ -213,33 +267,57 @@ CELLS = [
     md("""
     ## 6. Exercise: all-reduce from the two FSDP collectives
 
-    Write `my_all_reduce(t)` that leaves the element-wise sum over ranks in `t`, using only
-    `collectives.reduce_scatter_tensor` and `collectives.all_gather_into_tensor` (assume `t.numel()` is
-    divisible by the world size). The checking cell compares it with `collectives.all_reduce` on 4 ranks.
+    Write `my_all_reduce(t)` that leaves the element-wise sum over ranks in `t` (and returns `t`), using
+    only `collectives.reduce_scatter_tensor` and `collectives.all_gather_into_tensor` (assume `t.numel()` is
+    divisible by the world size). The check runs it on 4 ranks, compares with `collectives.all_reduce`, and
+    counts the bytes your collectives sent.
     """),
-    code("""
+    exercise("""
     def my_all_reduce(t):
         import torch.distributed as dist
-        n = dist.get_world_size()
-        shard = torch.empty(t.numel() // n, dtype=t.dtype)
-        collectives.reduce_scatter_tensor(shard, t)
-        collectives.all_gather_into_tensor(t, shard)
+        ### BEGIN SOLUTION
+        shard = torch.empty(t.numel() // dist.get_world_size(), dtype=t.dtype)
+        collectives.reduce_scatter_tensor(shard, t)      # this rank: the sum of its chunk
+        collectives.all_gather_into_tensor(t, shard)     # every rank: every chunk's sum
         return t
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("reduce-scatter t into a shard, then all-gather the shards back into t")
     """),
     code("""
-    def check():
-        import torch.distributed as dist
-        t = torch.randn(12, generator=torch.Generator().manual_seed(dist.get_rank()))
-        expected = t.clone(); collectives.all_reduce(expected)
-        return torch.allclose(my_all_reduce(t.clone()), expected, atol=1e-6)
+    lab01.check_my_all_reduce(my_all_reduce)
+    """),
+    md("""
+    ## 7. Exercise: reduce-scatter the way gloo does it
 
-    print("correct" if all(fsdp_lab.launch(check, world_size=4)) else "not yet: compare your result with all_reduce")
+    gloo has no reduce-scatter of its own: `torch.distributed.reduce_scatter_tensor` on gloo all-reduces
+    the whole buffer and keeps a chunk. Write `my_reduce_scatter(t)` that way: return this rank's chunk
+    (elements `[rank·k, (rank+1)·k)` with `k = t.numel() // world`) of the element-wise sum of every rank's
+    `t`, using only `collectives.all_reduce` (on a copy: leave `t` alone). The check compares with
+    `collectives.reduce_scatter_tensor` on 4 ranks — and tells you what the shortcut costs on the wire.
+    """),
+    exercise("""
+    def my_reduce_scatter(t):
+        import torch.distributed as dist
+        ### BEGIN SOLUTION
+        rank, k = dist.get_rank(), t.numel() // dist.get_world_size()
+        total = t.clone()
+        collectives.all_reduce(total)                    # every rank: the whole sum
+        return total[rank * k:(rank + 1) * k]
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("all-reduce a copy of t, then return this rank's chunk of it")
+    """),
+    code("""
+    lab01.check_my_reduce_scatter(my_reduce_scatter)
     """),
     md("""
     ## Summary
 
     * all-gather concatenates shards, reduce-scatter sums and splits, all-reduce = both in sequence.
-    * Bandwidth is reported as algbw (S/t) and busbw (algbw scaled by the traffic each rank really carries).
+    * Bandwidth is reported as algbw (S/t) and busbw (algbw scaled by the traffic each rank really carries);
+      busbw compares with a link's one-way peak: hundreds of GB/s on NVLink, tens on PCIe and InfiniBand.
+    * DDP and FSDP's `NO_SHARD` all-reduce gradients; FSDP's sharded strategies reduce-scatter them
+      (`HYBRID_SHARD` then all-reduces each shard across replicas).
+    * A reduce-scatter built from an all-reduce gives the right chunk for twice the traffic.
     * A timeline shows when each collective ran; async collectives overlap compute, and `overlap()`
       measures how much.
 

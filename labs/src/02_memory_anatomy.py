@@ -4,7 +4,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from nbbuild import build, code, md  # noqa: E402
+from nbbuild import build, code, exercise, md  # noqa: E402
 
 CELLS = [
     md("""
@@ -19,9 +19,10 @@ CELLS = [
     1. Count the bytes of parameters, gradients and AdamW state of a Llama block by hand.
     2. Reproduce the talk's 7B example: 14 GB params + 14 GB grads + 28 GB Adam in 16-bit terms.
     3. Measure one training step on CPU, by category, and draw memory over the step.
-    4. See how batch size and sequence length drive activations (and write the formula).
+    4. See how batch size and sequence length drive activations, and derive this Llama's formula term by term.
     5. Run FSDP2 on real ranks and on a simulated world of 8 — including a 7B-shaped model that allocates nothing.
-    6. Explore with the widget; then predict a peak yourself.
+    6. Predict, yourself, the bytes of parameters, gradients and AdamW state of a live model, and the
+       activations of a bf16 forward; the checks compare with `MemoryTracker` on the real thing.
     """),
     code("""
     %matplotlib inline
@@ -36,9 +37,9 @@ CELLS = [
     from fsdp_lab.models.data import global_batch
     from fsdp_lab.viz.memory_plots import plot_breakdown, plot_memory_curve, plot_estimate_vs_measured
     from fsdp_lab.viz.memory_widgets import MemoryExplorer
+    from fsdp_lab.workshop import lab_files, lab02
 
-    FIGURES = "figures/02_memory_anatomy"
-    os.makedirs(FIGURES, exist_ok=True)
+    files = lab_files("02_memory_anatomy")   # labs/figures/02_memory_anatomy, from labs/ or labs/solutions/
     MiB, GB = 2**20, 1e9
     print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
     """, tags=["nbval-ignore-output"]),
@@ -60,6 +61,27 @@ CELLS = [
     print(f"params {by_hand * fp32} B + grads {by_hand * fp32} B + AdamW {2 * by_hand * fp32 + 9 * 4} B "
           f"= {4 * by_hand * fp32 + 36} B per block in float32")
     print("whole model:", count_parameters(cfg), "parameters")
+    """),
+    md("""
+    ### Exercise: predict the model states of a live model
+
+    Write `predict_model_states(model)`: the bytes of `params`, `grads` and `optimizer_state` that the model
+    and a `torch.optim.AdamW` hold after one optimizer step (gradients not yet zeroed), as a dict. Use the
+    parameters themselves (`p.numel()`, `p.element_size()`), so it works for any dtype. The check trains the
+    CPU Llama one step in float32 and in bfloat16 under `MemoryTracker` and compares to the byte.
+    """),
+    exercise("""
+    def predict_model_states(model):
+        params = list(model.parameters())
+        ### BEGIN SOLUTION
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        # AdamW: exp_avg and exp_avg_sq, zeros_like(param) (the parameter's dtype), and a float32 `step` per tensor
+        return {"params": nbytes, "grads": nbytes, "optimizer_state": 2 * nbytes + 4 * len(params)}
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("return {'params': ..., 'grads': ..., 'optimizer_state': ...} in bytes")
+    """),
+    code("""
+    lab02.check_predict_model_states(predict_model_states)
     """),
     md("""
     ## 2. The talk's 7B example
@@ -125,7 +147,7 @@ CELLS = [
             print(f"{c:<16}{est[c]:>12,}{peak[c]:>12,}")
     print(f"{'total':<16}{est.total:>12,}{mt.peak_total():>12,}   ratio {mt.peak_total() / est.total:.4f}")
     ax = plot_estimate_vs_measured(est, peak, unit="MiB", title="CPU Llama, batch 4 x 128, float32")
-    ax.figure.savefig(f"{FIGURES}/estimate_vs_measured.png", dpi=100, bbox_inches="tight")
+    files.savefig(ax.figure, "estimate_vs_measured.png", dpi=100, bbox_inches="tight")
     """),
     md("""
     Model states match to the byte; activations match because the estimator's formula counts exactly what
@@ -141,14 +163,33 @@ CELLS = [
     timeline = mt.timeline()
     print(len(timeline), "phase boundaries, e.g.:", [label for label, _ in timeline[:4]])
     ax = plot_memory_curve(timeline, unit="MiB", label_every=3)
-    ax.figure.savefig(f"{FIGURES}/memory_over_one_step.png", dpi=100, bbox_inches="tight")
+    files.savefig(ax.figure, "memory_over_one_step.png", dpi=100, bbox_inches="tight")
     """),
     md("""
     ## 5. Batch size and sequence length drive activations
 
-    Parameters do not depend on the batch; activations grow linearly in the number of tokens T = batch x seq
-    (the attention here is SDPA's fused kernel, which saves no T x T matrix). Per block, with e bytes per
-    element: `2*(4Td + 2eTd + 4T) + 4eTd + 4Th + eTd + 4eTf`. We measure the activations after forward only.
+    Parameters do not depend on the batch; activations grow linearly in the number of tokens T = batch x seq.
+    The formula below is **this** Llama's (`fsdp_lab/models/llama.py`: fused SDPA, RMSNorm computed in float32,
+    SwiGLU, no dropout, grouped-query attention by `repeat_interleave`); other implementations save other
+    tensors — for GPT-style models see Korthikanti et al., *Reducing Activation Recomputation in Large
+    Transformer Models* (2022). With d the width, f the SwiGLU hidden size, h the heads and e bytes per
+    element, one block saves:
+
+    | where | saved tensor | bytes |
+    | --- | --- | --- |
+    | each RMSNorm (two per block) | its input upcast to float32 (for `pow` and `mul`) | 4Td |
+    | | `rsqrt` of the mean square, one float32 per token | 4T |
+    | | the normalised input cast back (for `* weight`) | eTd |
+    | | the norm's output (input of the next linears) | eTd |
+    | attention | q, k, v (k, v after `repeat_interleave`: d wide each) and SDPA's output | 4eTd |
+    | | SDPA's float32 log-sum-exp, one per head and token | 4Th |
+    | | `wo`'s input (the heads merged back) | eTd |
+    | SwiGLU | outputs of `w1`, of `silu`, of `w3`, and their product (`w2`'s input) | 4eTf |
+
+    Sum per block: `2*(4Td + 2eTd + 4T) + 4eTd + 4Th + eTd + 4eTf`. Rotary embeddings save only their constant
+    cos/sin tables; residual additions save nothing; the fused attention kernel saves no T x T matrix. The
+    model adds one final RMSNorm, the float32 log-softmax of the loss (4TV) and the int64 labels (8T).
+    `activation_bytes` in the estimator is this formula; we measure the activations after forward only.
     """),
     code("""
     def forward_activations(batch_size, seq_len):
@@ -169,7 +210,7 @@ CELLS = [
     ax.plot([r[0] for r in rows], [r[1] / MiB for r in rows], "o-")
     ax.set_xlabel("tokens per step (batch x seq)"); ax.set_ylabel("activations (MiB)")
     ax.set_title("activations grow linearly with tokens")
-    fig.savefig(f"{FIGURES}/activations_vs_tokens.png", dpi=100, bbox_inches="tight")
+    files.savefig(fig, "activations_vs_tokens.png", dpi=100, bbox_inches="tight")
     """),
     md("""
     ## 6. Run N ranks: FSDP2 on 2 real ranks
@@ -180,23 +221,49 @@ CELLS = [
     """),
     code("""
     results = fsdp_lab.launch(measure_step, "cpu", world_size=2, strategy="fsdp2", batch_size=2, seq_len=64)
-    print(format_rows(merge_ranks(results), unit="MiB"))
     est2 = estimate(cfg, world_size=2, strategy="fsdp2", batch_size=2, seq_len=64)
-    ax = plot_breakdown({f"rank {r.rank}": r.peak for r in results} | {"estimate": est2}, unit="MiB",
-                        title="FSDP2 on 2 ranks: peak by category")
-    ax.figure.savefig(f"{FIGURES}/fsdp2_two_ranks.png", dpi=100, bbox_inches="tight")
-    """, tags=["nbval-ignore-output"]),
+    # the figure and both tables below are this one run
+    print(format_rows(merge_ranks(results), unit="MiB"))
+    ax = plot_breakdown({f"rank {r.rank} (measured)": r.peak for r in results}
+                        | {f"estimate ({est2.phase})": est2}, unit="MiB",
+                        title="FSDP2 on 2 ranks: each at its own peak, by category")
+    files.savefig(ax.figure, "fsdp2_two_ranks.png", dpi=100, bbox_inches="tight")
+    """),
     md("""
-    At the peak an asynchronous collective is in flight, so how its bytes split between `comm_buffers`
-    (buffers held for the collective) and `temporaries` depends on how far it got at that instant: those two
-    columns trade bytes between runs and between ranks. Their sum, and every other category, is the same
-    every time:
+    A collective's buffers are given back the moment it is waited for (`fsdp_lab.collectives.release`),
+    not whenever gloo's worker thread lets go of them, so every number above is the same on every run and on
+    both ranks. The estimator does not split the bytes held for a collective (`comm_buffers`) from other
+    `temporaries` the way the tracker does, so the table below sets their sum beside the estimate, and every
+    other category on its own:
     """),
     code("""
-    for r in results:
-        in_flight = r.peak["temporaries"] + r.peak["comm_buffers"]
-        print(f"rank {r.rank}: temporaries + comm_buffers {in_flight / MiB:.3f} MiB, total {r.peak_total / MiB:.3f} MiB")
-    print(f"estimate total {est2.total / MiB:.3f} MiB")
+    stable = [c for c in CATEGORIES if c not in ("temporaries", "comm_buffers")]
+    r0 = results[0]
+    print(f"{'category':<28}{'estimate':>10}{'rank 0':>10}{'rank 1':>10}   MiB, each at its own peak")
+    for c in stable:
+        if est2[c] or any(r.peak[c] for r in results):
+            print(f"{c:<28}{est2[c] / MiB:10.3f}" + "".join(f"{r.peak[c] / MiB:10.3f}" for r in results))
+    flight = lambda b: (b["temporaries"] + b["comm_buffers"]) / MiB
+    print(f"{'temporaries + comm_buffers':<28}{flight(est2):10.3f}" + "".join(f"{flight(r.peak):10.3f}" for r in results))
+    print(f"{'total':<28}{est2.total / MiB:10.3f}" + "".join(f"{r.peak_total / MiB:10.3f}" for r in results))
+    print(f"estimate's peak: phase '{est2.phase}'; measured peak (rank 0) after: '{r0.peak_label}'")
+    print(f"activations: estimate {est2['activations'] / MiB:.3f} MiB at its peak, "
+          f"{est2.phases['forward_end']['activations'] / MiB:.3f} at the end of forward; measured "
+          f"{r0.peak['activations'] / MiB:.3f} at the measured peak, {r0.max_by_category['activations'] / MiB:.3f} "
+          f"at their own maximum (end of forward)")
+    print(f"comm_buffers + temporaries at the peak: estimate {flight(est2):.3f} MiB "
+          f"(one block's reduce-scatter buffer), measured {flight(r0.peak):.3f} MiB")
+    """),
+    md("""
+    The totals agree; the categories do not, because the two peaks are different moments. The estimator puts
+    the peak at the start of backward: every block's activations alive, one block gathered plus its prefetched successor,
+    one block's reduce-scatter buffer. The measured peak falls later, inside backward (the label above): the
+    activations of the blocks already differentiated are freed, but the communication buffers and gradient
+    temporaries of more than one group are alive together (`comm_buffers` and `temporaries`, held until
+    their reduce-scatters are waited for). Compared at the same moment, the end of forward, estimated and
+    measured activations agree (printed above). The estimator's single reduce-scatter buffer is an
+    under-estimate for this implementation; its total is close here because the activations it counts at
+    its own peak make up for it.
     """),
     md("""
     ## 7. A simulated world of 8
@@ -221,8 +288,10 @@ CELLS = [
     from fsdp_lab.fsdp2 import MixedPrecisionPolicy, fully_shard
 
     big = LlamaConfig.from_name("llama2-7b", n_layers=4)
-    # bf16 weights and AdamW state, as PyTorch's fully_shard keeps a bf16 model (and as the estimate
-    # assumes); fsdp_lab's default would keep float32 master weights instead (lab 05)
+    # the model is built in bf16 and PyTorch's fully_shard keeps the sharded parameter in the dtype the
+    # model was built in, so AdamW's state is bf16 too (as the estimate assumes); fsdp_lab's default
+    # would keep float32 master weights instead (lab 06), so this run asks for none
+
     pure_bf16 = MixedPrecisionPolicy(main_params_dtype=None)
     with fsdp_lab.simulated_world(8):
         mesh = init_device_mesh("cpu", (8,))             # built before fake mode: it holds real rank ids
@@ -252,7 +321,7 @@ CELLS = [
     print(f"peak {fake_mt.peak_total() / GB:.2f} GB measured vs {est_big.total / GB:.2f} GB estimated "
           f"({fake_mt.peak_total() / est_big.total:.2f}x)")
     ax = plot_estimate_vs_measured(est_big, fake_mt.peak(), unit="GiB", title="7B shapes (4 blocks), rank 0 of 8")
-    ax.figure.savefig(f"{FIGURES}/fake_7b_rank0_of_8.png", dpi=100, bbox_inches="tight")
+    files.savefig(ax.figure, "fake_7b_rank0_of_8.png", dpi=100, bbox_inches="tight")
     """),
     md("""
     Model states agree to the byte, in both simulated runs. The peaks differ by how many gathered blocks,
@@ -277,7 +346,7 @@ CELLS = [
     for name, b in configs.items():
         print(f"{name:<17} peak {b.total / 2**30:6.2f} GiB in phase {b.phase}")
     ax = plot_breakdown(configs, unit="GiB", title="Llama-2-7B, FSDP2, 8 GPUs, batch 1 x 4096, bf16")
-    ax.figure.savefig(f"{FIGURES}/explorer_static.png", dpi=100, bbox_inches="tight")
+    files.savefig(ax.figure, "explorer_static.png", dpi=100, bbox_inches="tight")
     """),
     code("""
     explorer.show();
@@ -287,31 +356,22 @@ CELLS = [
 
     Write `predict_activations(config, batch_size, seq_len)`: the bytes this Llama saves for backward
     during one forward in **bfloat16** (e = 2 bytes; RMSNorm still keeps a float32 copy of its input and
-    the loss a float32 log-softmax). Use the per-block formula of section 5 and add the final RMSNorm,
-    the log-softmax (4*T*V) and the int64 labels (8*T). The checking cell measures two configurations.
+    the loss a float32 log-softmax). Use the per-block table of section 5 and add the final RMSNorm,
+    the log-softmax (4*T*V) and the int64 labels (8*T). The check measures two shapes, to the byte.
     """),
-    code("""
+    exercise("""
     def predict_activations(config, batch_size, seq_len):
         T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
         e = 2
+        ### BEGIN SOLUTION
         norm = 4 * T * d + 2 * e * T * d + 4 * T
         block = 2 * norm + 4 * e * T * d + 4 * T * h + e * T * d + 4 * e * T * f
         return config.n_layers * block + norm + 4 * T * V + 8 * T
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("n_layers * (per-block bytes) + final norm + 4*T*V + 8*T")
     """),
     code("""
-    def check(fn):
-        bf16_model = Llama("cpu", seed=0).to(torch.bfloat16)
-        for bs, sl in [(2, 64), (3, 40)]:
-            x = global_batch(cfg.vocab_size, bs, sl)
-            with MemoryTracker(bf16_model) as t:
-                out = bf16_model(x)
-                measured = t.current()["activations"]
-            del out
-            predicted = fn(cfg, bs, sl)
-            assert abs(predicted - measured) <= 0.01 * measured, f"batch {bs} x {sl}: predicted {predicted:,}, measured {measured:,}"
-        print("correct")
-
-    check(predict_activations)
+    lab02.check_predict_activations(predict_activations)
     """),
     md("""
     ## Summary
@@ -320,11 +380,13 @@ CELLS = [
       mixed-precision Adam, 8 with bf16 everything) + **activations** (linear in batch x seq) + transients
       (the loss gradient, gathered FSDP blocks, optimizer temporaries).
     * `MemoryTracker` measures it by category from tensor storages — on CPU, GPU, or fake tensors — and
-      `estimate` predicts it from shapes; they agree to the byte on model states and closely on the peak.
+      `estimate` predicts it from shapes; they agree to the byte on model states and on single-process
+      activations. Under FSDP2 the totals agree but the measured and estimated peaks are different moments
+      of backward, so their categories differ (section 6).
     * Sharding (FSDP / ZeRO-3) divides model states by N; it does not touch activations — checkpointing does.
     * A simulated world and fake tensors answer "would this fit on 8 GPUs?" on a laptop.
 
-    Next: lab 03/04 build the FSDP that produced the `sharded_params` and `unsharded_params` above.
+    Next: lab 03 builds ZeRO by hand, labs 04 and 05 the FSDPs that produced the `sharded_params` and `unsharded_params` above.
     """),
 ]
 

@@ -1,0 +1,509 @@
+"""Lab 08: QLoRA, 4-bit NF4 base weights and LoRA adapters, sharded by FSDP2."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from nbbuild import build, code, md  # noqa: E402
+
+CELLS = [
+    md("""
+    # Lab 08 — QLoRA: 4-bit weights, low-rank adapters, and FSDP
+
+    **Goals.**
+
+    1. See why 4 bits per weight, and where the 16 NF4 code values come from (normal quantiles).
+    2. Quantize one block by hand, then with `fsdp_lab.qlora.to_nf4`; pack two codes per byte;
+       count the bits per parameter double quantization saves (4.5 → ~4.127).
+    3. Look inside a tensor subclass: what `__torch_dispatch__` sees when the model uses an NF4 weight.
+    4. Put a LoRA adapter on a linear layer; train QLoRA under FSDP2 on 2 ranks and read the
+       `quantized` memory category and the bytes each all-gather moves, against bf16.
+    5. Set our estimates for Llama-2-7B beside the published figures, explore the knobs, and write
+       the nearest-code lookup yourself.
+    """),
+    code("""
+    %matplotlib inline
+    import json, math, os
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    import matplotlib.pyplot as plt
+    import ipywidgets as widgets
+    from statistics import NormalDist
+    from torch.utils._python_dispatch import TorchDispatchMode
+    import fsdp_lab
+    from fsdp_lab.workshop import lab_files
+    from fsdp_lab.qlora import NF4_CODEBOOK, NF4Tensor, LoRALinear, apply_lora, build_nf4_codebook, to_nf4
+    from fsdp_lab.qlora.nf4 import (nearest_nf4_code, nf4_bits_per_param, nf4_storage_bytes, pack_nibbles,
+                                    quantize_nf4_blocks, unpack_nibbles)
+    from fsdp_lab.memory.estimate import estimate
+    from fsdp_lab.models.llama import LlamaConfig
+    from fsdp_lab.viz import plot_breakdown
+    from fsdp_lab.viz.widgets import Explorer
+
+    files = lab_files("08_qlora")   # labs/figures/08_qlora in the lab build, else labs/my_figures/08_qlora
+    print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 1. Why 4 bits
+
+    Fine-tuning only small adapters means the base weights are read, never updated: they need no
+    gradients and no optimizer state, only storage. For Llama-2-7B that storage decides whether the
+    model fits on a consumer GPU at all.
+    """),
+    code("""
+    cfg = LlamaConfig.from_name("llama2-7b")
+    linear_numel = cfg.n_layers * (4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_hidden)
+    print(f"Llama-2-7B block linears: {linear_numel / 1e9:.3f} billion weights")
+    for name, bits in [("float32", 32), ("bfloat16", 16), ("int8", 8), ("NF4 + scales", nf4_bits_per_param())]:
+        print(f"{name:13} {bits:6.3f} bits/weight -> {linear_numel * bits / 8 / 2**30:6.2f} GiB")
+    """),
+    md("""
+    ## 2. The code book from normal quantiles
+
+    Trained weights are roughly normal. NF4 puts its 16 code values at quantiles of N(0, 1), so each
+    code is used about equally often: 8 positive values and 7 negative ones plus an exact 0, divided
+    by the largest so the ends are ±1. `build_nf4_codebook` derives them; the stored table
+    `NF4_CODEBOOK` is the one bitsandbytes and torchao use.
+    """),
+    code("""
+    derived = build_nf4_codebook()
+    print("max |derived - NF4_CODEBOOK| =", f"{(derived - NF4_CODEBOOK).abs().max().item():.1e}")
+    print("codes:", " ".join(f"{v:+.4f}" for v in NF4_CODEBOOK.tolist()))
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    xs = torch.linspace(-1.1, 1.1, 400)
+    scale = NormalDist().inv_cdf(0.9677083)  # the outermost quantile is normalised to 1
+    pdf = torch.tensor([NormalDist().pdf(float(x) * scale) for x in xs])
+    ax.plot(xs, pdf / pdf.max(), color="gray", label="N(0,1) density (scaled)")
+    ax.vlines(NF4_CODEBOOK, 0, 1, color="tab:blue", label="NF4 code values")
+    ax.set_xlabel("normalised value (x / absmax of its block)"); ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("NF4: codes are denser where weights are")
+    fig.tight_layout(); files.savefig(fig, "codebook.png", dpi=90)
+    """),
+    md("""
+    ## 3. Quantize a block by hand, then with the library
+
+    A block of 64 values is divided by its absolute maximum, each value replaced by the index of the
+    nearest code. Dequantizing multiplies the code value by the block's scale.
+    """),
+    code("""
+    torch.manual_seed(0)
+    block = torch.randn(64) * 0.02
+    absmax = block.abs().max()
+    normalised = block / absmax
+    by_hand = (normalised[:, None] - NF4_CODEBOOK[None, :]).abs().argmin(dim=1)
+    packed, scales = quantize_nf4_blocks(block, block_size=64)
+    library = unpack_nibbles(packed).long()
+    print("absmax:", f"{absmax.item():.5f}", "| library scale:", f"{scales.item():.5f}")
+    print("first 8 codes by hand:", by_hand[:8].tolist(), "| library:", library[:8].tolist())
+    print("same codes:", torch.equal(by_hand, library))
+    error = (NF4_CODEBOOK[library] * absmax - block).abs().max() / absmax
+    print(f"largest error / absmax: {error.item():.4f} (bound: half the widest gap, 0.1520)")
+    """),
+    md("""
+    ### Packing: two codes per byte
+
+    The code of the even-index element goes in the high nibble, the odd one in the low nibble.
+    """),
+    code("""
+    codes = library[:4].to(torch.uint8)
+    pair_bytes = pack_nibbles(codes)
+    print("codes", codes.tolist(), "-> bytes", [f"0x{b:02x}" for b in pair_bytes.tolist()])
+    print("bytes for 64 values:", packed.numel(), "plus one scale")
+    """),
+    md("""
+    ## 4. Double quantization: 4.5 → ~4.127 bits per parameter
+
+    One float32 scale per 64 weights costs 32/64 = 0.5 bit per weight. Double quantization stores the
+    scales as int8 (after subtracting their mean) with one float32 factor per 256 scales:
+    8/64 + 32/(64·256) ≈ 0.127 bit. We use torchao's linear int8 scheme (bitsandbytes uses a dynamic
+    8-bit code; see docs/qlora.md).
+    """),
+    code("""
+    torch.manual_seed(0)
+    w = torch.randn(4096, 4096) * 0.02
+    for dq in (False, True):
+        t = to_nf4(w, double_quant=dq)
+        err = (t.dequantize(torch.float32) - w).abs().mean().item()
+        print(f"double_quant={dq!s:5}  stored {t.storage_bytes():>9,} bytes = "
+              f"{8 * t.storage_bytes() / w.numel():.4f} bits/param  (formula {nf4_bits_per_param(double_quant=dq):.4f})"
+              f"  mean |error| {err:.2e}")
+    print("exact bytes, formula n_blocks*32 + n_blocks + 4*ceil(n_blocks/256) + 4:", f"{nf4_storage_bytes(w.numel()):,}")
+    """),
+    md("""
+    ## 4b. Dequantization, compiled
+
+    Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up
+    in the 16-entry code book, multiply by its block's absmax, cast. Eagerly that is several kernels and
+    full-size temporaries; `torch.compile` fuses them into one loop, which is where QLoRA under FSDP2 got
+    most of its speed on GPUs. It works on CPU too (inductor writes C++). The compiled function must give
+    the same values, bit for bit; the times are this machine's and are not compared.
+    """),
+    code("""
+    import time
+    from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
+    w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    w_packed, w_scales = quantize_nf4_blocks(w.reshape(-1), 64)
+    compiled_dequant = torch.compile(dequantize_nf4_blocks_fused, dynamic=False)
+    eager_out = dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16)
+    compiled_out = compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)      # the first call compiles
+    print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
+    """),
+    code("""
+    def best_of(fn, repeats=7):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
+        return min(times)
+
+    t_eager = best_of(lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16))
+    t_fused_eager = best_of(lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16))
+    t_compiled = best_of(lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16))
+    print(f"eager (gather form)       {1e3 * t_eager:7.2f} ms")
+    print(f"eager (element-wise form) {1e3 * t_fused_eager:7.2f} ms")
+    print(f"compiled                  {1e3 * t_compiled:7.2f} ms   "
+          f"({t_fused_eager / t_compiled:.1f}x faster than the same code run eagerly)")
+    print("(benchmarks/nf4_compile.py measures a 4096 x 4096 weight with interleaved repeats)")
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 5. What a tensor subclass sees
+
+    `NF4Tensor` reports shape (4096, 4096) and dtype float32 but holds only bytes. `F.linear` on it is
+    caught by `__torch_function__` and becomes dequantize-then-matmul (no weight gradient). Everything
+    else reaches `__torch_dispatch__` as aten ops: the logging mode below prints which ops an NF4
+    weight receives when it is detached, cloned and moved, and what happens for an op it does not support.
+    """),
+    code("""
+    class ShowOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, NF4Tensor) for a in args):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    small = to_nf4(torch.randn(32, 64))
+    with ShowOps() as mode:
+        small.detach(); small.clone(); small.to("cpu", copy=True)
+    print("aten ops on the NF4Tensor:", mode.ops)
+    print(small)
+    try:
+        small + 1
+    except NotImplementedError as exc:
+        print("small + 1 ->", str(exc).splitlines()[0][:100])
+    x = torch.randn(2, 64, requires_grad=True)
+    y = F.linear(x, small)
+    y.sum().backward()
+    print("F.linear output", tuple(y.shape), "| input grad", tuple(x.grad.shape), "| weight grad: none")
+    """),
+    md("""
+    ## 6. LoRA on a linear
+
+    `LoRALinear` computes `x Wᵀ + (alpha/r) · x Aᵀ Bᵀ` with W frozen (here NF4) and only A (r × in) and
+    B (out × r) trained. B starts at zero, so wrapping changes nothing until the first step.
+    """),
+    code("""
+    torch.manual_seed(0)
+    base = nn.Linear(256, 128, bias=False)
+    base.weight = nn.Parameter(to_nf4(base.weight.detach()), requires_grad=False)
+    lora = LoRALinear(base, rank=4, alpha=8)
+    x = torch.randn(16, 256)
+    print("same output as the NF4 base at init:", torch.equal(lora(x), F.linear(x, base.weight)))
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    print(f"trainable {trainable} of {trainable + 256 * 128} values ({100 * trainable / (trainable + 256 * 128):.1f}%)")
+    target = torch.randn(16, 4) @ torch.randn(4, 128) * 0.1     # a rank-4 change to learn
+    opt = torch.optim.AdamW([lora.lora_a, lora.lora_b], lr=1e-2)
+    goal = F.linear(x, base.weight) + target
+    for step in range(60):
+        loss = F.mse_loss(lora(x), goal)
+        loss.backward(); opt.step(); opt.zero_grad()
+        if step in (0, 59):
+            print(f"step {step:2d}  loss {loss.item():.4f}")
+    """),
+    md("""
+    ## 7. QLoRA under FSDP2 on 2 ranks
+
+    The CPU Llama (2 blocks), every block linear NF4 with rank-8 adapters, one `fully_shard` group per
+    block. Each rank holds its whole blocks of packed codes (see docs/qlora.md); the all-gather moves
+    those bytes, not floats. We record step 2 with the `MemoryTracker` and the `Timeline`.
+    """),
+    code("""
+    def qlora_step(steps=3):
+        import torch.distributed as dist
+        from fsdp_lab.fsdp2 import fully_shard
+        from fsdp_lab.memory.tracker import MemoryTracker
+        from fsdp_lab.models.data import global_batch, shard_batch
+        from fsdp_lab.models.llama import Llama
+        from fsdp_lab.timeline import Timeline
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
+        torch.manual_seed(0)
+        apply_lora(model, rank=8, alpha=16, quantize_base=True)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+        losses = []
+        for step in range(steps):
+            batch = shard_batch(global_batch(512, 4, 32, step=step), rank, world)
+            if step == 1:
+                with MemoryTracker(model, opt) as tracker, Timeline() as tl:
+                    loss = model(batch.input_ids, batch.labels).loss
+                    loss.backward(); opt.step(); opt.zero_grad()
+                result = tracker.result()
+                events = [(e.name, e.args.get("module"), e.bytes) for e in tl.comm_events(rank)]
+            else:
+                loss = model(batch.input_ids, batch.labels).loss
+                loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+        unsharded_after = sum(p.untyped_storage().nbytes() for s in model.modules() if hasattr(s, "_fsdp_state")
+                              and s._fsdp_state.group is not None
+                              for f in s._fsdp_state.group.fsdp_params for p in f.all_gather_outputs)
+        return {"losses": losses, "memory": result, "events": events, "unsharded_after": unsharded_after}
+
+    runs = fsdp_lab.launch(qlora_step, world_size=2)
+    r0 = runs[0]
+    print("losses (mean over ranks):", " ".join(f"{(a + b) / 2:.4f}" for a, b in zip(runs[0]["losses"], runs[1]["losses"])))
+    print("rank 0 at rest after the step (bytes):")
+    for cat, b in r0["memory"].current.items():
+        if b:
+            print(f"  {cat:16} {b:>10,}")
+    """),
+    md("""
+    The `quantized` category is this rank's half of every NF4 weight (codes, int8 scales, factors);
+    `sharded_params` are the embeddings, norms and output layer (frozen, float32 here) and the adapters;
+    `optimizer_state` is AdamW's two moments for the adapters only.
+
+    ### All-gather bytes: NF4 against bf16
+
+    One block's all-gather carries its 7 NF4 weights plus its norms and adapters. Had the same weights been
+    bf16, each would move 2 bytes per value.
+    """),
+    code("""
+    cfg_cpu = LlamaConfig.from_name("cpu")
+    d, f, hd = cfg_cpu.dim, cfg_cpu.ffn_hidden, cfg_cpu.head_dim
+    shapes = [(cfg_cpu.n_heads * hd, d), (cfg_cpu.n_kv_heads * hd, d), (cfg_cpu.n_kv_heads * hd, d),
+              (d, cfg_cpu.n_heads * hd), (f, d), (f, d), (d, f)]
+    linear_values = sum(o * i for o, i in shapes)
+    adapters_and_norms = sum(8 * (o + i) for o, i in shapes) + 2 * d
+    block_gathers = sorted({b for name, module, b in r0["events"] if name == "all_gather" and module == "layers.0"})
+    print("values in one block's linears:", f"{linear_values:,}")
+    print("all-gather of layers.0 (bytes, both ranks' shards):", block_gathers)
+    print("  of which NF4 ~ values/2 + values/64 =", f"{linear_values // 2 + linear_values // 64:,}")
+    print("  adapters + norms in float32         =", f"{4 * adapters_and_norms:,}")
+    nf4_block = block_gathers[0]                       # measured: NF4 linears + float32 adapters and norms
+    bf16_block = 2 * (linear_values + adapters_and_norms)  # the same block, every value in bf16
+    print("the same block in bf16 would move     =", f"{bf16_block:,}",
+          f"({bf16_block / nf4_block:.2f}x the NF4 block's all-gather)")
+    print(f"float32 adapters + norms are {4 * adapters_and_norms / nf4_block:.0%} of the NF4 block's all-gather: "
+          f"the NF4 linears alone are {2 * linear_values / (linear_values // 2 + linear_values // 64):.2f}x "
+          f"smaller than in bf16, the block only {bf16_block / nf4_block:.2f}x")
+    """),
+    md("""
+    ### Frozen parameters are resharded too
+
+    The NF4 weights need no gradient, but they are still freed after forward and gathered again in
+    backward (each block is gathered twice per step), and freed again after backward: nothing stays
+    gathered between steps. Reduce-scatters carry only the adapters' gradients.
+    """),
+    code("""
+    from collections import Counter
+    gathers = Counter(module for name, module, b in r0["events"] if name == "all_gather")
+    scatter_bytes = sum(b for name, module, b in r0["events"] if name == "reduce_scatter")
+    print("all-gathers per group in one step:", dict(sorted(gathers.items())))
+    print("bytes still gathered after the step:", r0["unsharded_after"])
+    print("reduce-scatter bytes in the step:", f"{scatter_bytes:,}",
+          f"(adapter gradients, float32: {4 * sum(8 * (o + i) for o, i in shapes) * 2:,} for 2 blocks)")
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    plot_breakdown({f"rank {i}": r["memory"].peak for i, r in enumerate(runs)}, ax=axes[0], unit="KiB",
+                   title="QLoRA on 2 ranks: memory at the peak")
+    labels = ["NF4 block\\n(measured)", "same block\\nin bf16"]
+    axes[1].bar(labels, [block_gathers[0] / 1024, 2 * (linear_values + adapters_and_norms) / 1024],
+                color=["tab:purple", "tab:gray"])
+    axes[1].set_ylabel("KiB per all-gather"); axes[1].set_title("bytes moved to unshard one block")
+    fig.tight_layout(); files.savefig(fig, "qlora_two_ranks.png", dpi=90)
+    """),
+    md("""
+    ### The same model under FSDP1
+
+    FSDP1 flattens a unit's parameters into flat parameters. The NF4 weights' packed storage goes into
+    flat parameters of its own, one per inner dtype (uint8 codes, int8 scales, float32 factors and means),
+    never cast; after the all-gather each weight is rebuilt as an `NF4Tensor` over the gathered bytes.
+    """),
+    code("""
+    def fsdp1_step():
+        import torch.distributed as dist
+        from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy
+        from fsdp_lab.models.data import global_batch, shard_batch
+        from fsdp_lab.models.llama import Llama, TransformerBlock
+        from fsdp_lab.timeline import Timeline
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
+        torch.manual_seed(0)
+        apply_lora(model, rank=8, alpha=16, quantize_base=True)
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+        batch = shard_batch(global_batch(512, 4, 32, step=0), rank, world)
+        with Timeline() as tl:
+            loss = model(batch.input_ids, batch.labels).loss
+            loss.backward(); opt.step(); opt.zero_grad()
+        return loss.item(), [(e.args.get("dtype"), e.bytes) for e in tl.comm_events(rank, "all_gather")
+                             if e.args.get("module") == "layers.0"]
+
+    runs1 = fsdp_lab.launch(fsdp1_step, world_size=2)
+    print("first loss, FSDP1 vs FSDP2 (mean over ranks):", f"{(runs1[0][0] + runs1[1][0]) / 2:.4f}",
+          f"{(runs[0]['losses'][0] + runs[1]['losses'][0]) / 2:.4f}")
+    print("layers.0 all-gathers in one step (dtype, bytes):", runs1[0][1])
+    """),
+    md("""
+    Each flat parameter is gathered in forward and again in backward: the float32 norms + adapters, then
+    the codes (values/2 bytes), the int8 scales (values/64) and the float32 factors and means.
+
+    ## 8. Llama-2-7B: estimates beside published figures
+
+    Two published measurements of Llama-2-7B QLoRA on two 24 GB RTX 3090s:
+
+    * the FSDP2 + NF4 talk's headline (REFERENCES.md): 12.88 GiB with FSDP1 + bitsandbytes against 12.60 GiB
+      with FSDP2 + torchao's NF4, batch 8 × 2048 tokens (which memory statistic is not stated);
+    * Answer.AI's fsdp_qlora benchmarks (`benchmarks_03_2024.md`) report 4.98 GiB, the allocator's peak *reserved*
+      memory (`torch.cuda.max_memory_reserved`) with the script's defaults: LoRA rank 64 on q, k, v, gate, up
+      and down (not o), batch 1 × 512, reentrant gradient checkpointing, pure bf16, FSDP1 + bitsandbytes.
+
+    The estimator counts *live* bytes for the same shapes (with gradient checkpointing in both settings):
+    """),
+    code("""
+    def live_gib(strategy="fsdp2", rank=8, batch=1, seq=512):
+        return estimate("llama2-7b", world_size=2, strategy=strategy, param_dtype=torch.bfloat16, qlora=True,
+                        lora_rank=rank, batch_size=batch, seq_len=seq, activation_checkpointing=True).total / 2**30
+
+    PUBLISHED = {"talk, FSDP1 + bitsandbytes": 12.88, "talk, FSDP2 + torchao NF4": 12.60,
+                 "Answer.AI (rank 64), peak reserved": 4.98}  # GiB, sources in REFERENCES.md
+    talk_estimate = {s: live_gib(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
+    small = {rank: live_gib(rank=rank) for rank in (8, 64)}
+    print("batch 8 x 2048, rank 8")
+    for label in ("talk, FSDP1 + bitsandbytes", "talk, FSDP2 + torchao NF4"):
+        print(f"  {'published: ' + label:<50}{PUBLISHED[label]:6.2f} GiB")
+    for strategy, gib in talk_estimate.items():
+        print(f"  {'estimate of live bytes, ' + strategy:<50}{gib:6.2f} GiB")
+    print("batch 1 x 512")
+    print(f"  {'published: Answer.AI (rank 64), peak reserved':<50}{PUBLISHED['Answer.AI (rank 64), peak reserved']:6.2f} GiB")
+    for rank, gib in small.items():
+        print(f"  {f'estimate of live bytes, rank {rank}':<50}{gib:6.2f} GiB")
+    path = "../benchmarks/results/qlora_7b_estimate_cpu.json"
+    if os.path.exists(path):
+        with open(path) as fh:
+            saved = json.load(fh)
+        for strategy in ("fsdp2", "fsdp1"):
+            if f"fake_tensor_run_{strategy}" in saved:
+                print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<50}"
+                      f"{saved[f'fake_tensor_run_{strategy}']['peak_gib']:6.2f} GiB")
+    print(f"published minus estimate: {PUBLISHED['Answer.AI (rank 64), peak reserved'] - small[64]:.2f} GiB at batch 1 x 512 "
+          f"(rank 64); {PUBLISHED['talk, FSDP2 + torchao NF4'] - talk_estimate['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
+    """),
+    md("""
+    Where the gap at batch 1 × 512 comes from (sources in REFERENCES.md and Answer.AI's benchmark page):
+
+    * **Not the CUDA context**: `max_memory_reserved` counts only what PyTorch's caching allocator holds;
+      the context lives outside it.
+    * **The allocator's reserve**: Answer.AI's published log shows 3.72 GiB reserved right after wrapping the
+      model, before any training step (rank 0 quantizes layer by layer on the GPU and broadcasts with
+      `sync_module_states`; the cached blocks stay reserved), and training adds 1.26 GiB to that. Their
+      LoRA runs show the reserve directly: 8.28 GiB allocated against 10.24 GiB reserved.
+    * **bitsandbytes' own buffers**: `Linear4bit` keeps its quantization state on the module, outside the
+      flat parameter, so the absmax statistics are replicated on every rank, and in March 2024 each weight
+      was dequantized to a full bf16 temporary for its matmul (worked by hand from the shapes: about
+      0.09 GiB of statistics per rank, 86 MiB for the largest temporary).
+
+    At batch 8 × 2048 the activations, which the estimator counts, dominate and the allocator's reserve is
+    a smaller share: the estimate lands close to the talk's figures (the difference is printed above).
+    The GPU measurement of our own code (`python benchmarks/qlora_7b.py --device cuda`) has not been run
+    for this build.
+
+    ## 9. Explore: rank, block size, double quantization, world size
+
+    Per-rank model-state memory of Llama-2-7B QLoRA (activations left out) and the bytes one block's
+    all-gather moves. The static figure is the widget's default setting.
+    """),
+    code("""
+    def seven_b(lora_rank, block_size, double_quant, world_size):
+        c = LlamaConfig.from_name("llama2-7b")
+        lin = [(c.dim, c.dim)] * 4 + [(c.ffn_hidden, c.dim)] * 2 + [(c.dim, c.ffn_hidden)]
+        nf4 = c.n_layers * sum(nf4_storage_bytes(o * i, block_size, 256, double_quant) for o, i in lin)
+        adapters = c.n_layers * sum(lora_rank * (o + i) for o, i in lin)
+        frozen = 2 * c.vocab_size * c.dim + (2 * c.n_layers + 1) * c.dim
+        per_rank = {"quantized": nf4 / world_size, "sharded_params": 2 * (frozen + adapters) / world_size,
+                    "sharded_grads": 2 * adapters / world_size, "optimizer_state": 4 * adapters / world_size}
+        block_nf4 = nf4 / c.n_layers
+        return per_rank, block_nf4, 2 * sum(o * i for o, i in lin)
+
+    def render(lora_rank, block_size, double_quant, world_size):
+        per_rank, block_nf4, block_bf16 = seven_b(lora_rank, block_size, double_quant, world_size)
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        plot_breakdown({f"{world_size} ranks": per_rank}, ax=axes[0], unit="GiB", title="Llama-2-7B per rank (bf16)")
+        axes[1].bar(["NF4", "bf16"], [block_nf4 / 2**20, block_bf16 / 2**20], color=["tab:purple", "tab:gray"])
+        axes[1].set_ylabel("MiB per block all-gather"); axes[1].set_title("one block's all-gather")
+        fig.tight_layout()
+        bits = 8 * block_nf4 / (block_bf16 / 2)
+        return fig, (f"{bits:.3f} bits/weight; model states {sum(per_rank.values()) / 2**30:.2f} GiB per rank; "
+                     f"all-gather {block_nf4 / 2**20:.1f} MiB vs {block_bf16 / 2**20:.1f} MiB in bf16")
+
+    fig, text = render(8, 64, True, 2)
+    print(text)
+    files.savefig(fig, "explore_7b.png", dpi=90)
+    """),
+    code("""
+    explorer = Explorer({
+        "lora_rank": widgets.Dropdown(options=[4, 8, 16, 64], value=8, description="LoRA rank"),
+        "block_size": widgets.Dropdown(options=[32, 64, 128, 256], value=64, description="block size"),
+        "double_quant": widgets.Checkbox(value=True, description="double quant"),
+        "world_size": widgets.Dropdown(options=[1, 2, 4, 8], value=2, description="world size"),
+    }, render, title="QLoRA at 7B: memory and bytes")
+    explorer.show((fig, text));
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    Smaller blocks track the weights more closely but cost more scale bytes; double quantization makes that
+    cost small. The adapters barely show at any rank that matters; the frozen embeddings and output layer
+    (bf16) are the largest part after the NF4 weights.
+
+    ## 10. Exercise: the nearest-code lookup
+
+    Write `nearest_code(normalised)`: for each value in [-1, 1], the index (0..15) of the nearest
+    `NF4_CODEBOOK` entry, where a value exactly halfway between two codes goes to the **lower** code (as
+    bitsandbytes and torchao do). Hint: compare with the 15 midpoints between neighbouring codes,
+    computed in float32.
+    """),
+    code("""
+    def nearest_code(normalised):
+        midpoints = (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2
+        return (normalised[..., None] > midpoints).sum(dim=-1).to(torch.uint8)
+    """),
+    code("""
+    torch.manual_seed(3)
+    values = torch.cat([torch.rand(10_000) * 2 - 1, NF4_CODEBOOK,
+                        (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2])    # random, the codes, exact ties
+    mine, theirs = nearest_code(values), nearest_nf4_code(values)
+    ok = mine.shape == theirs.shape and torch.equal(mine.long(), theirs.long())
+    print("correct" if ok else f"not yet: {(mine.long() != theirs.long()).sum().item()} values differ")
+    """),
+    md("""
+    ## Summary
+
+    * NF4 stores 4-bit codes at normal quantiles, one absmax scale per 64 values; double quantization
+      shrinks the scales to int8 with a float32 factor per 256: ~4.127 bits per weight.
+    * `NF4Tensor` is a tensor subclass: the model sees a float weight, `F.linear` dequantizes on the fly,
+      other aten ops reach `__torch_dispatch__`.
+    * LoRA trains two small matrices per linear; under FSDP2 the NF4 weights are sharded by whole blocks
+      and all-gathered as bytes (4.127 / 16 ≈ 0.26 of bf16 for the linears; with the float32 adapters and
+      norms a whole block saves much less), frozen yet resharded like any parameter.
+    * Published Llama-2-7B figures are allocator readings (reserved memory); the estimator counts live
+      bytes. At small batches the difference is mostly the caching allocator's reserve from loading.
+
+    Read next: `fsdp_lab/qlora/nf4.py`, `nf4_fsdp.py`, `lora.py` and `docs/qlora.md`.
+    """),
+]
+
+if __name__ == "__main__":
+    build(__file__, CELLS)

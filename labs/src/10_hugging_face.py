@@ -1,0 +1,223 @@
+"""Lab 10: bring your own Hugging Face model: both FSDPs, QLoRA, memory, timeline, PEFT adapters."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from nbbuild import build, code, exercise, md  # noqa: E402
+
+CELLS = [
+    md("""
+    # Lab 10 — Bring your own model: a Hugging Face `transformers` model under FSDP and QLoRA
+
+    **Goals.**
+
+    1. Take a model as `transformers` gives it (`LlamaForCausalLM`) and shard it with fsdp_lab's FSDP2 and
+       FSDP1: a decoder layer is a module like any other.
+    2. QLoRA it: `apply_lora` finds `q_proj` … `down_proj` by their Hugging Face names.
+    3. Watch one step: the memory breakdown by category (`MemoryTracker`) and the collective timeline.
+    4. Save the adapters in PEFT's format and load them back with `peft` onto the plain model.
+
+    Here the model is built from a small config with random weights (CPU, no download). Where the
+    machine has real weights, set `FSDP_LAB_HF_MODEL` to their folder (or a hub name) before starting
+    the notebook: the same cells then load them with `from_pretrained`. The compared outputs below are
+    those of the small config.
+    """),
+    code("""
+    %matplotlib inline
+    import os, tempfile
+    import torch
+    import matplotlib.pyplot as plt
+    import ipywidgets as widgets
+    import transformers, peft
+    import fsdp_lab
+    from fsdp_lab import hf
+    from fsdp_lab.fsdp2 import fully_shard
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.qlora import apply_lora, lora_parameter_counts
+    from fsdp_lab.timeline import Timeline
+    from fsdp_lab.viz import plot_timeline
+    from fsdp_lab.viz.memory_plots import plot_breakdown
+    from fsdp_lab.viz.widgets import Explorer
+    from fsdp_lab.workshop import lab_files, lab10
+
+    files = lab_files("10_hugging_face")
+    transformers.logging.set_verbosity_error()          # no load reports or progress bars in the outputs
+    transformers.utils.logging.disable_progress_bar()
+    import warnings; warnings.filterwarnings("ignore", category=FutureWarning)
+    print(f"torch {torch.__version__} | transformers {transformers.__version__} | peft {peft.__version__}")
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 1. The model
+
+    `make_model()` is what every rank calls. With `FSDP_LAB_HF_MODEL` set it loads real weights with
+    `from_pretrained` (on CPU, float32); otherwise it builds the 2-layer, hidden-64 Llama of
+    `lab10.tiny_llama` from a config, seeded, so every rank builds the same weights.
+    """),
+    code("""
+    def make_model():
+        path = os.environ.get("FSDP_LAB_HF_MODEL")
+        if path:   # real weights, where the machine has them
+            return transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+        return lab10.tiny_llama(seed=0)
+
+    model = make_model()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(type(model).__name__, "|", len(model.model.layers), "decoder layers |", f"{n_params:,} parameters")
+    print("decoder layer class:", type(model.model.layers[0]).__name__)
+    print("one process, 2 SGD steps, losses:", [round(x, 6) for x in lab10.train_losses(make_model())])
+    """),
+    md("""
+    ## 2. Exercise: shard it with FSDP2
+
+    Write `shard_hf_model(model)`: one `fully_shard` per decoder layer (`model.model.layers`), then one for
+    the root (the embeddings, final norm and `lm_head` stay in the root's group). The check runs it on 2
+    ranks, trains 2 steps and compares the losses with the one-process run above.
+    """),
+    exercise("""
+    def shard_hf_model(model):
+        ### BEGIN SOLUTION
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("fully_shard each layer of model.model.layers, then the model")
+    """),
+    code("""
+    lab10.check_shard_hf_model(shard_hf_model)
+    """),
+    md("""
+    ## 3. One step under FSDP2, FSDP1 and QLoRA: memory and collectives
+
+    The same step on 2 ranks three ways: fsdp_lab's FSDP2 (one group per decoder layer and the root),
+    FSDP1 (`FullyShardedDataParallel` with one unit per decoder layer), and QLoRA (NF4 base weights plus
+    rank-4 adapters) under FSDP2. Each rank reports the peak bytes per category its `MemoryTracker` saw
+    and its collectives on a `Timeline`.
+    """),
+    code("""
+    def one_step(kind):
+        import torch.distributed as dist
+        from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = make_model()
+        if kind == "QLoRA + FSDP2":
+            torch.manual_seed(1)
+            apply_lora(model, rank=4, alpha=8)
+        if kind == "FSDP1":
+            model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}))
+        else:
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        ids = lab10.token_batch(0, rank, world)
+        with Timeline() as tl, MemoryTracker(model, opt) as mt:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        comms = [(e.name, e.bytes) for e in sorted(tl.comm_events(rank), key=lambda e: e.t_start)]
+        return {"max": mt.max_by_category(), "timeline": tl, "comms": comms, "loss": loss.item()}
+
+    KINDS = ("FSDP2", "FSDP1", "QLoRA + FSDP2")
+    runs = {kind: fsdp_lab.launch(one_step, kind, world_size=2) for kind in KINDS}
+    kib = lambda b: f"{b / 1024:8.1f} KiB"
+    for kind, results in runs.items():
+        r0 = results[0]
+        gathers = [b for name, b in r0["comms"] if name == "all_gather"]
+        print(f"{kind:14} loss {r0['loss']:.6f} | all-gathers {len(gathers):2d} ({kib(sum(gathers))}) | "
+              f"reduce-scatters {sum(n == 'reduce_scatter' for n, _ in r0['comms']):2d}")
+        print("   peak per category (rank 0):",
+              ", ".join(f"{k} {kib(v).strip()}" for k, v in r0["max"].items() if v))
+    """),
+    md("""
+    FSDP1 and FSDP2 move the same bytes for the same model; with QLoRA the all-gathers carry NF4 codes and
+    scales (about a quarter of the float32 bytes for the quantized layers) and only the adapters'
+    gradients are reduce-scattered. The figure shows rank 0's peak bytes per category and the timeline
+    of both ranks for each run; the widget below switches between them.
+    """),
+    code("""
+    def render(kind):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 3]})
+        plot_breakdown({k: runs[k][0]["max"] for k in KINDS}, ax=left, unit="KiB",
+                       title="rank 0 peak bytes by category")
+        plot_timeline(Timeline.merge([r["timeline"] for r in runs[kind]]), ax=right, title=f"{kind}, 2 ranks, one step")
+        fig.tight_layout()
+        return fig
+
+    fig = render("QLoRA + FSDP2")
+    files.savefig(fig, "memory_and_timeline.png", dpi=80, bbox_inches="tight")
+    """),
+    code("""
+    explorer = Explorer({"kind": widgets.ToggleButtons(options=list(KINDS), value="QLoRA + FSDP2", description="run")},
+                        render, title="one step, three ways")
+    explorer.show(fig);
+    """, tags=["nbval-ignore-output"]),
+    md("""
+    ## 4. Exercise: the adapters in PEFT's format
+
+    PEFT stores a LoRA layer's matrices under `base_model.model.<module name>.lora_A.weight` (rank × in) and
+    `...lora_B.weight` (out × rank). Write `peft_state_dict(model)`: for each `LoRALinear` of a QLoRA model
+    (`lab10`'s tiny Llama after `apply_lora`), map those keys to its `lora_a` and `lora_b`. The check writes
+    your tensors beside PEFT's `adapter_config.json`, loads them with `peft.PeftModel.from_pretrained` onto
+    the plain model holding the dequantized base weights, and compares its logits with the QLoRA model's.
+    """),
+    exercise("""
+    def peft_state_dict(model):
+        from fsdp_lab.qlora import LoRALinear
+        ### BEGIN SOLUTION
+        out = {}
+        for name, module in model.named_modules():
+            if isinstance(module, LoRALinear):
+                out[f"base_model.model.{name}.lora_A.weight"] = module.lora_a
+                out[f"base_model.model.{name}.lora_B.weight"] = module.lora_b
+        return out
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("for each LoRALinear: base_model.model.<name>.lora_A.weight -> lora_a, lora_B -> lora_b")
+    """),
+    code("""
+    lab10.check_peft_state_dict(peft_state_dict)
+    """),
+    md("""
+    ## 5. Save and reload with `peft`
+
+    `fsdp_lab.hf.export_peft_adapters` writes exactly that, with the config; `fsdp_lab.hf.save_pretrained`
+    writes the base model with the NF4 weights dequantized (`adapters=False`: the plain model's keys only). Loading both with `transformers` and `peft`
+    gives back the QLoRA model's outputs.
+    """),
+    code("""
+    qlora = make_model()
+    torch.manual_seed(1)
+    apply_lora(qlora, rank=4, alpha=8)
+    lab10.train_losses(qlora)            # 2 steps: the adapters move away from their zero start
+    counts = lora_parameter_counts(qlora)
+    print(f"trainable {counts.trainable:,} of {counts.total:,} parameters ({counts.trainable_fraction:.2%})")
+    ids = lab10.token_batch(0)
+    with torch.no_grad():
+        ours = qlora(input_ids=ids).logits
+    with tempfile.TemporaryDirectory() as d:
+        hf.save_pretrained(qlora, f"{d}/base", adapters=False)   # the plain model's keys only
+        hf.export_peft_adapters(qlora, f"{d}/adapters")
+        print("adapter files:", sorted(os.listdir(f"{d}/adapters")))
+        base = transformers.AutoModelForCausalLM.from_pretrained(f"{d}/base", attn_implementation="eager").eval()
+        reloaded = peft.PeftModel.from_pretrained(base, f"{d}/adapters").eval()
+        with torch.no_grad():
+            theirs = reloaded(input_ids=ids).logits
+    print(f"max |PEFT logits - ours| = {(theirs - ours).abs().max().item():.1e} (tolerance 1e-5):",
+          (theirs - ours).abs().max().item() < 1e-5)
+    """),
+    md("""
+    ## Summary
+
+    * A `transformers` model shards like any module: `fully_shard` each decoder layer and the root (FSDP2), or
+      wrap with `ModuleWrapPolicy({DecoderLayerClass})` (FSDP1); the losses equal one process's.
+    * `apply_lora` finds Hugging Face's layer names by default; under FSDP the NF4 bytes, not floats, travel.
+    * `MemoryTracker` and `Timeline` read a Hugging Face model's step as they read any other.
+    * The adapters are what a fine-tune produces: PEFT's keys and config make them loadable with
+      `PeftModel.from_pretrained` onto the plain model; see docs/huggingface.md.
+    """),
+]
+
+if __name__ == "__main__":
+    build(__file__, CELLS)
