@@ -7,7 +7,9 @@ Each benchmark script saves one JSON per device (``<name>_cpu.json``, ``<name>_c
 This script does not run anything: it lays the recorded numbers out, one section per file,
 headed by the first line of the script's docstring. The headline rows are the ratios and
 overheads the benchmark was written to check, beside their targets; every other number
-follows in a folded table. Re-run a benchmark, then this script, and commit both.
+follows in a folded table. A soak result (``"kind": "soak"``, from ``soak_labs.py``) is laid
+out as "N of M runs passed" and one row per run. Re-run a benchmark, then this script, and
+commit both.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def section(result: pathlib.Path) -> str:
     context = [f"{k} {format_value(flat[k])}" for k in CONTEXT_KEYS if k in flat]
     if context:
         lines += ["Recorded on: " + "; ".join(context) + ".", ""]
+    if data.get("kind") == "soak":
+        return "\n".join(lines + soak_lines(data))
     headline = {k: v for k, v in flat.items() if any(w in k.rsplit(".", 1)[-1] for w in HEADLINE_WORDS)}
     if headline:
         lines += ["| headline | value |", "|---|---|"]
@@ -96,6 +100,23 @@ def section(result: pathlib.Path) -> str:
         lines += [f"| `{k}` | {_cell(k, v)} |" for k, v in rest.items()]
         lines += ["", "</details>", ""]
     return "\n".join(lines)
+
+
+SOAK_COLUMNS = ("run", "passed", "failed", "errors", "skipped", "seconds", "load_average_1min")
+
+
+def soak_lines(data: dict) -> list[str]:
+    """A soak result: the runs that passed out of all, then one table row per run (the failing
+    test ids, if any, in the last column)."""
+    lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**: `{data['command']}`, "
+             f"{data['busy_loops']} busy-loop processes loading the CPU.", "",
+             "| " + " | ".join(SOAK_COLUMNS) + " | failing tests |",
+             "|" + "---|" * (len(SOAK_COLUMNS) + 1)]
+    for run in data["runs"]:
+        cells = [_cell(key, run.get(key)) for key in SOAK_COLUMNS]
+        failing = ", ".join(f"`{name}`" for name in run.get("failures", [])) or "none"
+        lines.append("| " + " | ".join(cells + [failing.replace("|", "\\|")]) + " |")
+    return lines + [""]
 
 
 def render(results_dir: pathlib.Path = RESULTS) -> str:

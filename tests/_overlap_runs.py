@@ -24,6 +24,7 @@ RUNS = [
     dict(name="fused", optimizer="fused"),
     dict(name="for_loop", optimizer="for_loop"),
     dict(name="offload two_blocks", wrapping="two_blocks", cpu_offload=True),
+    dict(name="block again"),  # the first run once more, after every other model was built and dropped
 ]
 
 

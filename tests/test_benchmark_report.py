@@ -37,3 +37,18 @@ def test_render_without_results_says_what_to_do(tmp_path):
 def test_docs_benchmarks_md_is_current():
     assert (REPO / "docs" / "benchmarks.md").read_text() == report.render(), \
         "docs/benchmarks.md is out of date: run python benchmarks/report.py"
+
+
+def test_soak_section_says_how_many_runs_passed_and_lists_each_run(tmp_path):
+    result = tmp_path / "soak_labs_cpu.json"  # named like benchmarks/soak_labs.py's output
+    runs = [{"run": 1, "passed": 698, "failed": 0, "errors": 0, "skipped": 2, "seconds": 410.0,
+             "load_average_1min": 3.9, "exit_code": 0, "failures": []},
+            {"run": 2, "passed": 697, "failed": 1, "errors": 0, "skipped": 2, "seconds": 415.5,
+             "load_average_1min": 4.2, "exit_code": 1, "failures": ["labs/08.ipynb::Cell 10"]}]
+    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
+                                  "busy_loops": 2, "runs_passed": 1, "runs_total": 2, "runs": runs}))
+    text = report.section(result)
+    assert "**1 of 2 runs passed**: `python -m pytest --nbval labs/`, 2 busy-loop processes" in text
+    assert "| 1 | 698 | 0 | 0 | 2 | 410 | 3.9 | none |" in text
+    assert "| 2 | 697 | 1 | 0 | 2 | 415.5 | 4.2 | `labs/08.ipynb::Cell 10` |" in text
+    assert "Run: `python benchmarks/soak_labs.py`" in text

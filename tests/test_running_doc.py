@@ -37,14 +37,57 @@ def _single_process_losses(steps=3, world_size=2):
     return losses
 
 
-def test_torchrun_script_in_docs_runs_and_matches_one_process(tmp_path):
-    script = tmp_path / "train_fsdp.py"
-    script.write_text(_script_from_doc())
+TEARDOWN_RACE = """
+import time
+
+import torch
+import torch.distributed as dist
+
+import fsdp_lab
+
+
+class SlowTeardown:
+    def __del__(self):
+        time.sleep(2.0)  # interpreter teardown would still run when the late peer joins
+
+
+rank, world_size = fsdp_lab.init_distributed(timeout=60)
+tensor = torch.ones(1 << 16)
+work = dist.all_reduce(tensor, async_op=True)
+if rank == 1:
+    time.sleep(0.5)
+del tensor, work  # rank 0's gloo worker holds the last reference until rank 1 joins
+slow = SlowTeardown()
+print(f"rank {rank} done", flush=True)
+fsdp_lab.exit_distributed()
+print("never printed")
+"""
+
+
+def _torchrun(script, tmp_path, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop(fdist.DEVICE_ENV, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def test_exit_distributed_ends_ranks_whose_gloo_threads_outlive_the_group(tmp_path):
+    # Ending this script without exit_distributed() aborts rank 0 most of the time ("terminate
+    # called without an active exception"): its gloo thread frees the tensor during teardown.
+    script = tmp_path / "teardown_race.py"
+    script.write_text(TEARDOWN_RACE)
+    proc = _torchrun(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert sorted(proc.stdout.split("\n"))[-2:] == ["rank 0 done", "rank 1 done"]
+
+
+def test_torchrun_script_in_docs_runs_and_matches_one_process(tmp_path):
+    script = tmp_path / "train_fsdp.py"
+    script.write_text(_script_from_doc())
+    assert script.read_text().rstrip().splitlines()[-1].startswith("fsdp_lab.exit_distributed()")
+    proc = _torchrun(script, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [float(x) for x in re.findall(r"step \d loss (\d+\.\d+)", proc.stdout)]
     assert len(printed) == 3, proc.stdout

@@ -1,0 +1,184 @@
+"""Soak: the labs under nbval several times in a row while busy loops load the CPU.
+
+Run from the repository root:
+
+    python benchmarks/soak_labs.py                          # 5 runs of pytest --nbval labs/
+    python benchmarks/soak_labs.py --record                 # and write the JSON for report.py
+    python benchmarks/soak_labs.py --runs 1 labs/00_start_here.ipynb
+
+Every output nbval compares must be the same on a quiet or a busy machine. This starts
+``--busy`` processes that spin on the CPU (``python -c "while True: pass"``), runs
+``python -m pytest --nbval -q PATHS`` ``--runs`` times in a row, prints each run's passes and
+failures (by test id) and a summary line, and stops the busy loops and any pytest still
+running at the end, also on Ctrl-C or SIGTERM. Exit status 0 when every run passed, 1 otherwise.
+``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere), which
+``benchmarks/report.py`` lays out in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+_STOP_GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL for a pytest run being stopped
+
+
+def start_busy_loops(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that each keep one core busy until stopped."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def stop(process: subprocess.Popen, grace: float = _STOP_GRACE_S) -> None:
+    """End ``process`` and everything in its session if it has one of its own (SIGTERM, then
+    SIGKILL after ``grace`` seconds); reap it."""
+    if process.poll() is None:
+        _signal(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            _signal(process, signal.SIGKILL)
+            process.wait()
+
+
+def _signal(process: subprocess.Popen, sig: int) -> None:
+    try:
+        if os.getpgid(process.pid) == process.pid:  # its own session: the kernels it started too
+            os.killpg(process.pid, sig)
+        else:
+            process.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_pytest(paths: list[str], timeout: float) -> dict:
+    """One ``pytest --nbval`` run over ``paths``; its counts, failing test ids and duration (s).
+
+    pytest runs in a session of its own so that stopping it also stops the notebook kernels
+    and ranks it started. Raises KeyboardInterrupt after stopping it on Ctrl-C.
+    """
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path)  # kernels and ranks import this copy of fsdp_lab
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp, "junit.xml")
+        command = [sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
+                   f"--junitxml={report}", *paths]
+        start = time.monotonic()
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except BaseException:  # Ctrl-C or the timeout: nothing of this run may survive it
+            stop(process)
+            raise
+        seconds = time.monotonic() - start
+        counts = _junit_counts(report) if report.exists() else None
+    if counts is None:  # pytest ended before writing a report (crash)
+        counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    if process.returncode != 0 and not counts["failures"]:  # e.g. no such path, nothing collected
+        last = output.strip().splitlines()[-1:] or [""]
+        counts["failures"].append(f"pytest exited with {process.returncode}: {last[0][-300:]}")
+    return {**counts, "exit_code": process.returncode, "seconds": round(seconds, 1)}
+
+
+def _junit_counts(report: Path) -> dict:
+    """passed / failed / errors / skipped and the ids of failing tests, from a JUnit XML file."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), None)
+        key = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(outcome, "passed")
+        counts[key] += 1
+        if key in ("failed", "errors"):
+            counts["failures"].append(f"{case.get('classname', '')}::{case.get('name', '')}")
+    return counts
+
+
+def run_passed(run: dict) -> bool:
+    """A run passes when pytest exited 0 with no failure and no error."""
+    return run["exit_code"] == 0 and run["failed"] == 0 and run["errors"] == 0
+
+
+def describe(run: dict) -> str:
+    """One line for a run: its counts, duration and the failing test ids."""
+    text = (f"{run['passed']} passed, {run['failed']} failed, {run['errors']} errors, "
+            f"{run['skipped']} skipped in {run['seconds']:.0f} s (load {run['load_average_1min']:.1f})")
+    if run["failures"]:
+        text += "; failing: " + ", ".join(run["failures"])
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", default=["labs/"],
+                        help="what pytest --nbval runs (default: labs/)")
+    parser.add_argument("--runs", type=int, default=5, help="runs in a row (default 5)")
+    parser.add_argument("--busy", type=int, default=2, help="busy-loop processes (default 2)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per run")
+    parser.add_argument("--record", action="store_true",
+                        help="write the result as JSON for benchmarks/report.py")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path for --record (default benchmarks/results/soak_labs_<device>.json)")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.busy < 0:
+        parser.error("--runs must be >= 1 and --busy >= 0")
+
+    # Ctrl-C, and SIGTERM alike, end the soak through KeyboardInterrupt so that the finally
+    # below stops what was started; SIGINT is set explicitly because a shell starting a job in
+    # the background leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    runs = []
+    busy = start_busy_loops(args.busy)
+    print(f"soak: {args.runs} run(s) of pytest --nbval {' '.join(args.paths)} "
+          f"with {args.busy} busy loop(s)", flush=True)
+    try:
+        for i in range(args.runs):
+            load = os.getloadavg()[0]
+            run = {"run": i + 1, "load_average_1min": round(load, 2), **run_pytest(args.paths, args.timeout)}
+            runs.append(run)
+            verdict = "PASS" if run_passed(run) else "FAIL"
+            print(f"run {i + 1}/{args.runs}: {verdict}: {describe(run)}", flush=True)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after {len(runs)} run(s); busy loops stopped", flush=True)
+        return 130
+    finally:
+        for process in busy:
+            stop(process, grace=2.0)
+
+    passed = sum(run_passed(r) for r in runs)
+    print(f"soak summary: {passed} of {len(runs)} runs passed "
+          f"(pytest --nbval {' '.join(args.paths)}, {args.busy} busy loops)")
+    if args.record:
+        _record(args, runs, passed)
+    return 0 if passed == len(runs) else 1
+
+
+def _record(args, runs: list[dict], passed: int) -> None:
+    import torch  # only for the version and device recorded
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = args.out or RESULTS / f"soak_labs_{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "kind": "soak",
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "device": device, "command": f"python -m pytest --nbval {' '.join(args.paths)}",
+        "busy_loops": args.busy, "runs_passed": passed, "runs_total": len(runs), "runs": runs,
+    }, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
