@@ -5,8 +5,9 @@ Every collective fsdp_lab runs goes through the four functions below, so that
 * the innermost registered recorder (an active ``fsdp_lab.timeline.Timeline`` registers
   itself with :func:`add_recorder`) gets one comm event per call (name, bytes, dtype, group
   size, start, end, lane);
-* :func:`last_entered` names the last collective this process entered (each rank of
-  ``fsdp_lab.launch`` copies it where the parent can read it, to explain a hang);
+* :func:`last_entered` names the last collective this process entered and :func:`blocked`
+  says whether it is waiting for one to complete (each rank of ``fsdp_lab.launch`` copies
+  both where the parent can read them, to explain a hang and to spot a deadlock early);
 * backend quirks are handled in one place:
   - gloo cannot take CUDA tensors for these ops: they are staged through host memory
     (event arg ``staged=True``) — this is the "ranks share a GPU" case;
@@ -58,6 +59,7 @@ _REDUCE_OPS = {
 _recorders: list["CommRecorder"] = []
 _count = 0  # collectives entered by this process
 _last: tuple | None = None  # (name, count, nbytes, dtype, group size) of the last one entered
+_blocked = 0  # >0 while this process waits for a collective to complete
 _reducible_checked: dict[tuple[str, torch.dtype], bool] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -109,6 +111,22 @@ def last_entered() -> str:
     return f"{name} #{count} ({_human_bytes(nbytes)} {_dtype_name(dtype)}, group of {group_size})"
 
 
+def blocked() -> bool:
+    """True while this process is inside a collective's wait (a synchronous call or
+    ``CollectiveHandle.wait()``): it cannot go on until its peers take part."""
+    return _blocked > 0
+
+
+def _wait_for(works: list) -> None:
+    global _blocked
+    _blocked += 1
+    try:
+        for work in works:
+            work.wait()
+    finally:
+        _blocked -= 1
+
+
 class CollectiveHandle:
     """An in-flight collective. ``wait()`` blocks until it is done and returns None."""
 
@@ -121,8 +139,7 @@ class CollectiveHandle:
     def wait(self) -> None:
         if self._done:
             return
-        for work in self._works:
-            work.wait()
+        _wait_for(self._works)
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -200,8 +217,7 @@ def _run(works: list, finish: Callable[[], None] | None, entered: tuple | None, 
                                        group_size=group_size, **args, **(meta or {}))
             event.close_on_completion(works)
         return CollectiveHandle(works, finish, event)
-    for work in works:
-        work.wait()
+    _wait_for(works)
     if finish is not None:
         finish()
     if entered is not None:

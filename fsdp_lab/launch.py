@@ -20,6 +20,10 @@ How it works, in order:
    soon as one fails, dies or the timeout passes; then it raises :class:`LaunchError` with the
    failing rank's traceback, or :class:`LaunchTimeout` naming the last collective each rank
    entered. No rank outlives ``launch``.
+5. A deadlock does not wait for the timeout: when every running rank has waited for over
+   ``_DEADLOCK_S`` inside its N-th collective and those N-th collectives are not the same
+   operation (rank 0 in an all-reduce, rank 1 in an all-gather), none of them can ever
+   complete, and :class:`LaunchTimeout` is raised then, with the same report.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ _STOP_GRACE_S = 2.0  # seconds between SIGTERM and SIGKILL
 _EXIT_GRACE_S = 10.0  # seconds a rank may take to exit after sending its result
 _TAIL_LINES = 20  # recent output lines kept per rank for crash reports
 _SETTLE_S = 0.3  # seconds to gather the other ranks' failures after the first
+_DEADLOCK_S = 2.0  # seconds every rank must sit unchanged in mismatched collectives to call it a deadlock
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding fsdp_lab/
 
 
@@ -99,7 +104,9 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
             asked for with fewer GPUs than ranks. Raised before any process starts.
         LaunchError: a rank raised (message names the rank and carries its traceback) or
             died without reporting (message gives its exit code).
-        LaunchTimeout: ``timeout`` passed; the message lists each rank's last collective.
+        LaunchTimeout: ``timeout`` passed, or earlier, a deadlock was seen (every rank waiting
+            in its N-th collective, and those not the same operation); the message lists each
+            rank's last collective.
         KeyboardInterrupt: re-raised after all ranks are stopped.
     """
     backend = fdist.choose_backend(world_size, backend)
@@ -176,18 +183,48 @@ class _Rank:
         lines = "\n".join(self.tail)
         return f"\n--- last output of rank {self.rank} ---\n{lines}" if lines else ""
 
+    def _slot(self) -> str:
+        slot = self._slots[self.rank * _SLOT_BYTES:(self.rank + 1) * _SLOT_BYTES]
+        return slot.split(b"\0", 1)[0].decode("utf-8", "replace")
+
     def last_collective(self) -> str:
         """What the rank wrote into its progress slot: the last collective it entered."""
-        slot = self._slots[self.rank * _SLOT_BYTES:(self.rank + 1) * _SLOT_BYTES]
-        return slot.split(b"\0", 1)[0].decode("utf-8", "replace") or "none"
+        return self._slot()[1:] or "none"
+
+    def blocked_in(self) -> tuple[int, str] | None:
+        """(N, operation) when the rank waits inside its N-th collective, else None."""
+        slot = self._slot()
+        if not slot.startswith("W"):
+            return None
+        name, _, rest = slot[1:].partition(" #")
+        count = rest.split(" ", 1)[0]
+        return (int(count), name) if count.isdigit() else None
+
+
+def _deadlocked(ranks: list[_Rank], waiting: set[int]) -> tuple | None:
+    """What every running rank waits in, if they wait in different N-th collectives (which can
+    never complete), else None. The caller requires it to hold unchanged for ``_DEADLOCK_S``."""
+    if len(waiting) < 2 or len(waiting) < len(ranks):
+        return None
+    state = tuple(ranks[r].blocked_in() for r in sorted(waiting))
+    if None in state or len({count for count, _ in state}) != 1 or len({name for _, name in state}) == 1:
+        return None
+    return state
 
 
 def _collect(ranks: list[_Rank], printing: set[int], deadline: float, timeout: float) -> list:
     waiting = set(range(len(ranks)))
+    start, stuck, stuck_since = time.monotonic(), None, 0.0
     while waiting:
-        remaining = deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = deadline - now
         if remaining <= 0:
             raise _timeout_error(ranks, waiting, timeout)
+        state = _deadlocked(ranks, waiting)
+        if state != stuck:
+            stuck, stuck_since = state, now
+        elif stuck is not None and now - stuck_since >= _DEADLOCK_S:
+            raise _timeout_error(ranks, waiting, timeout, deadlock_after=now - start)
         # Bounded wait so a simulated interrupt (interrupt_main) is noticed promptly too.
         failures = _poll(ranks, waiting, printing, min(remaining, 0.5))
         if failures:
@@ -280,9 +317,15 @@ def _death_error(rank: _Rank) -> LaunchError:
     return LaunchError(message, rank=rank.rank, exitcode=code)
 
 
-def _timeout_error(ranks: list[_Rank], waiting: set[int], timeout: float) -> LaunchTimeout:
+def _timeout_error(ranks: list[_Rank], waiting: set[int], timeout: float,
+                   deadlock_after: float | None = None) -> LaunchTimeout:
     last = [rank.last_collective() for rank in ranks]
-    lines = [f"launch timed out after {timeout:g} s; ranks still running: "
+    if deadlock_after is None:
+        head = f"launch timed out after {timeout:g} s"
+    else:
+        head = (f"deadlock: the ranks wait in different collectives, which can never complete; "
+                f"stopped after {deadlock_after:.0f} s instead of waiting for the {timeout:g} s timeout")
+    lines = [f"{head}; ranks still running: "
              f"{', '.join(map(str, sorted(waiting)))}. Last collective each rank entered:"]
     for rank in ranks:
         state = "" if rank.rank in waiting else " (finished)"

@@ -5,9 +5,9 @@ module, so the caller may be a notebook, ``python -`` or a script without a
 ``__main__`` guard. In order:
 
 1. start a watcher thread: it ends this rank if the parent dies (even by SIGKILL), and every
-   0.1 s copies ``fsdp_lab.collectives.last_entered()`` into this rank's slot of the shared
-   progress file, which the parent reads to explain a hang (nothing is added to the
-   collectives' own path); send prints to the parent line by line through the message pipe;
+   0.1 s copies ``fsdp_lab.collectives.last_entered()`` and ``blocked()`` into this rank's slot
+   of the shared progress file, which the parent reads to explain a hang and to stop a deadlock
+   early (the collectives' own path only counts waits in and out); send prints to the parent line by line through the message pipe;
 2. set the rank's environment (RANK, WORLD_SIZE, LOCAL_RANK, its device, its threads);
 3. read the caller's ``sys.path``, ``sys.argv`` and the pickled call from the call file,
    unpickle (modules are imported by name here), initialise the default process group on
@@ -154,7 +154,7 @@ def _serialise(result: Any) -> bytes:
 def _start_watcher(lifeline_fd: int, slot_fd: int, slot_bytes: int, rank: int, world_size: int) -> None:
     """One daemon thread that ends this rank when the parent dies (the parent holds the only
     write end of the lifeline pipe, so a read returns b"" once it is gone) and keeps this
-    rank's progress slot showing the last collective entered."""
+    rank's progress slot showing whether it waits in a collective and the last one entered."""
     slots = mmap.mmap(slot_fd, slot_bytes * world_size)
     start = rank * slot_bytes
 
@@ -164,7 +164,8 @@ def _start_watcher(lifeline_fd: int, slot_fd: int, slot_bytes: int, rank: int, w
             readable, _, _ = select.select([lifeline_fd], [], [], _PROGRESS_PERIOD_S)
             if readable and not os.read(lifeline_fd, 1):
                 os._exit(1)
-            entered = collectives.last_entered()
+            # first byte: "W" while blocked in a collective's wait, "R" while running
+            entered = ("W" if collectives.blocked() else "R") + collectives.last_entered()
             if entered != written:
                 data = entered.encode("utf-8", "replace")[: slot_bytes - 1]
                 slots[start:start + slot_bytes] = data.ljust(slot_bytes, b"\0")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,7 @@ def test_function_defined_in_main_is_sent_by_value():
 
 NOTEBOOK_CELL = """
 import threading
+import time
 import types
 import torch
 
@@ -512,3 +514,41 @@ def test_gpu_ranks_return_cpu_tensors():
             assert (r["backend"], r["device"], r["staging"]) == ("nccl", f"cuda:{rank}", False)
         else:
             assert (r["backend"], r["device"], r["staging"]) == ("gloo", "cuda:0", True)
+
+
+def _mismatched_collectives():
+    t = torch.ones(4)
+    collectives.all_reduce(t)
+    if dist.get_rank() == 0:
+        collectives.all_reduce(t)  # collective #2 on rank 0 ...
+    else:
+        collectives.all_gather_into_tensor(torch.empty(8), t)  # ... is an all-gather on rank 1
+
+
+def test_a_deadlock_is_reported_without_waiting_for_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(_mismatched_collectives, world_size=2, timeout=120)
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"the deadlock took {elapsed:.0f} s to report"
+    assert info.value.last_collectives == ["all_reduce #2 (16 B float32, group of 2)",
+                                           "all_gather #2 (32 B float32, group of 2)"]
+    assert "deadlock: the ranks wait in different collectives" in str(info.value)
+
+
+def _one_rank_late(seconds):
+    t = torch.ones(4) * (dist.get_rank() + 1)
+    if dist.get_rank() == 0:
+        time.sleep(seconds)  # rank 1 waits in all-reduce #1 alone meanwhile: slow, not stuck
+    collectives.all_reduce(t)
+    handle = collectives.all_gather_into_tensor(torch.empty(8), t, async_op=True)
+    if dist.get_rank() == 1:
+        time.sleep(seconds)  # rank 0 waits in all-gather #2's wait alone meanwhile
+    handle.wait()
+    return t.tolist()
+
+
+def test_a_rank_waiting_for_a_slow_peer_is_not_a_deadlock():
+    from fsdp_lab.launch import _DEADLOCK_S
+    results = launch(_one_rank_late, 2 * _DEADLOCK_S + 1, world_size=2, timeout=120)
+    assert results == [[3.0] * 4, [3.0] * 4]
