@@ -117,14 +117,28 @@ def blocked() -> bool:
     return _blocked > 0
 
 
+class _Blocking:
+    """``with _BLOCKING:`` marks this process as blocked in a collective for the block's span:
+    around a wait, and around issuing one, which some backends do synchronously (gloo's
+    all_gather_single copies through a blocking all_gather)."""
+
+    def __enter__(self):
+        global _blocked
+        _blocked += 1
+
+    def __exit__(self, *exc):
+        global _blocked
+        _blocked -= 1
+        return False
+
+
+_BLOCKING = _Blocking()
+
+
 def _wait_for(works: list) -> None:
-    global _blocked
-    _blocked += 1
-    try:
+    with _BLOCKING:
         for work in works:
             work.wait()
-    finally:
-        _blocked -= 1
 
 
 class CollectiveHandle:
@@ -247,9 +261,11 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
     entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
     if _staging(input, group):
         host_out, host_in = output.cpu(), input.cpu()
-        work = _NATIVE_ALL_GATHER(host_out, host_in, group=group, async_op=True)
+        with _BLOCKING:
+            work = _NATIVE_ALL_GATHER(host_out, host_in, group=group, async_op=True)
         return _run([work], lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
-    work = _NATIVE_ALL_GATHER(output, input, group=group, async_op=True)
+    with _BLOCKING:
+        work = _NATIVE_ALL_GATHER(output, input, group=group, async_op=True)
     return _run([work], None, entered, async_op, lane, meta, staged=False)
 
 
@@ -276,7 +292,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     reduce_op = _reduce_op(op)
     entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
     if _backend(group) != "gloo":
-        work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=True)
+        with _BLOCKING:
+            work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=True)
         return _run([work], None, entered, async_op, lane, meta, impl="native")
 
     staged = _staging(input, group)
@@ -286,7 +303,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, n)
         return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
     received = torch.empty_like(send)
-    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    with _BLOCKING:
+        work = dist.all_to_all_single(received, send, group=group, async_op=True)
 
     def finish() -> None:
         chunks = received.view(n, -1)
@@ -301,8 +319,9 @@ def _reduce_chunks_in_place(output, flat, reduce_op, group, n):
     """gloo reduce-scatter without a receive buffer: chunk r of ``flat`` is summed onto rank r."""
     chunks = flat.view(n, -1)
     me = dist.get_rank(group)
-    works = [dist.reduce(chunks[r], dst=dist.get_global_rank(group, r) if group is not None else r,
-                         op=dist.ReduceOp.SUM, group=group, async_op=True) for r in range(n)]
+    with _BLOCKING:
+        works = [dist.reduce(chunks[r], dst=dist.get_global_rank(group, r) if group is not None else r,
+                             op=dist.ReduceOp.SUM, group=group, async_op=True) for r in range(n)]
 
     def finish() -> None:
         mine = chunks[me]
@@ -337,8 +356,9 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     divide = gloo and reduce_op == dist.ReduceOp.AVG
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
-    work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM if divide else reduce_op,
-                           group=group, async_op=True)
+    with _BLOCKING:
+        work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM if divide else reduce_op,
+                               group=group, async_op=True)
 
     def finish() -> None:
         if divide:
@@ -356,7 +376,8 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = Fa
     staged = _staging(tensor, group)
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
-    work = dist.broadcast(work_tensor, src=src, group=group, async_op=True)
+    with _BLOCKING:
+        work = dist.broadcast(work_tensor, src=src, group=group, async_op=True)
     finish = (lambda: tensor.copy_(work_tensor)) if staged else None
     return _run([work], finish, entered, async_op, lane, meta, staged=staged)
 
@@ -374,7 +395,8 @@ def ensure_reducible(dtype: torch.dtype, group=None) -> None:
         device = "cuda" if backend == "nccl" else "cpu"
         probe = torch.zeros(1, dtype=dtype, device=device)
         try:
-            dist.all_reduce(probe, group=group)
+            with _BLOCKING:  # not counted in last_entered: a one-off probe, not the program's own
+                dist.all_reduce(probe, group=group)
             _reducible_checked[key] = True
         except (RuntimeError, TypeError, ValueError):
             _reducible_checked[key] = False

@@ -23,7 +23,9 @@ How it works, in order:
 5. A deadlock does not wait for the timeout: when every running rank has waited for over
    ``_DEADLOCK_S`` inside its N-th collective and those N-th collectives are not the same
    operation (rank 0 in an all-reduce, rank 1 in an all-gather), none of them can ever
-   complete, and :class:`LaunchTimeout` is raised then, with the same report.
+   complete, and :class:`LaunchTimeout` is raised then, with the same report. This assumes
+   what FSDP does: every rank calls the same collectives in the same order. (A program whose
+   ranks call different collectives on purpose, on disjoint groups, should not rely on it.)
 """
 
 from __future__ import annotations

@@ -271,6 +271,7 @@ def test_without_sync_hooks_an_asymmetric_oom_hangs():
         fsdp_lab.launch(_hang_without_hooks, 1, world_size=2, timeout=20)
     message = str(info.value)
     assert "all_gather" in message and "oom_sync" in message, message
+    assert message.startswith("deadlock:"), "seen as a deadlock, not left to the timeout"
 
 
 def test_bad_arguments():
