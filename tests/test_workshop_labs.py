@@ -37,14 +37,15 @@ NAMESPACE = {"torch": torch, "collectives": collectives, "math": math, "functool
              "DataParallel": DataParallel, "alloc_storage": alloc_storage, "free_storage": free_storage}
 
 
-def shipped(lab: str) -> dict[str, tuple[object, object]]:
+def shipped(lab: str, names: dict | None = None) -> dict[str, tuple[object, object]]:
     """{name: (stub, solution)} of the exercises of ``labs/src/<lab>.py``, each defined from its
-    text as a learner's notebook defines it (sent to ranks by value, like a notebook's)."""
+    text as a learner's notebook defines it (sent to ranks by value, like a notebook's).
+    ``names``: what the lab's set-up cells import beyond ``NAMESPACE``."""
     out = {}
     for ex in nbbuild.exercises(nbbuild.load_cells(LABS / "src" / f"{lab}.py")):
         versions = []
         for text in (ex.student, ex.solution):
-            namespace = {"__name__": f"notebook_{lab}", **NAMESPACE}
+            namespace = {"__name__": f"notebook_{lab}", **NAMESPACE, **(names or {})}
             before = set(namespace)
             exec(compile(text, f"<{lab} exercise>", "exec"), namespace)
             (name,) = [n for n in namespace if n not in before and not n.startswith("__")]

@@ -189,16 +189,16 @@ def _from_error(error: BaseException, explain) -> _Outcome:
     if isinstance(error, LaunchError):
         text = f"{error}\n{error.traceback}"
     summary = _last_error_line(error)
+    if explain is not None:  # first: a library op may raise NotImplementedError, which is no stub
+        known = explain(error, text)
+        if known is not None:
+            return known
     if "NotImplementedError" in summary:
         return _Outcome(NOT_SOLVED, "the code still raises NotImplementedError; "
                                     "replace that line with your code")
     if "ellipsis" in summary.lower():
         return _Outcome(NOT_SOLVED, "a `...` placeholder is still in the code "
                                     f"({summary}); write your expression in its place")
-    if explain is not None:
-        known = explain(error, text)
-        if known is not None:
-            return known
     if isinstance(error, LaunchError):
         where = f"rank {error.rank} raised" if error.traceback else "a rank failed:"
     else:

@@ -142,14 +142,18 @@ CELLS = [
 
     The classic distributed bug: one rank skips a collective the others enter. The others wait forever —
     unless something stops them (if the skipping rank simply *exits*, its peers get a "connection closed"
-    error instead, which `launch` reports like any failure). `launch(..., timeout=…)` ends the run and
-    reports, per rank, the last collective it entered, which usually points straight at the mismatch.
+    error instead, which `launch` reports like any failure). `launch` ends the run and reports, per rank,
+    the last collective it entered, which usually points straight at the mismatch. When every rank has
+    waited two seconds inside collectives that are not the same operation, none of them can ever
+    complete, so `launch` stops the ranks then; a hang it cannot recognise (a rank stuck in a loop, or one
+    that never enters the collective its peers wait in) ends at `timeout=…` seconds.
 
     In that report `#N` numbers the collectives one rank has entered since it started, **of every kind**:
     `all_gather #2` means "rank 1's second collective, which was an all-gather" (its first all-gather),
     not "the second all-gather". Rank 0 is in its second collective, an all-reduce; rank 1 is in its
     second, an all-gather: the two ranks disagree about what collective #2 is — that is the bug.
-    The timeout covers the whole launch, starting the ranks included, so it is generous here.
+    The timeout covers the whole launch, starting the ranks included, so it is generous here; this
+    deadlock is reported long before it.
     """),
     code("""
     def rank_1_skips_the_all_reduce():
@@ -248,8 +252,8 @@ CELLS = [
     * A rank is one process of N; the process group is who takes part in a collective; every rank must
       call the same collectives in the same order.
     * `fsdp_lab.launch(fn, world_size=N)` runs notebook code on N ranks and returns their results.
-    * A failing rank is an error that names it; a mismatched collective is a timeout that names each
-      rank's last collective (`#N`: the rank's N-th collective of any kind) — nothing hangs.
+    * A failing rank is an error that names it; a mismatched collective is a `LaunchTimeout`, raised once
+      the ranks sit in collectives that differ (or at the timeout), that names each rank's last collective (`#N`: the rank's N-th collective of any kind) — nothing hangs.
     * A mean over ranks that hold different amounts of data needs the sum *and* the count reduced; the
       mean of the ranks' means is wrong as soon as they hold different amounts.
     * A sharded tensor gives each rank `ceil(numel / world)` slots, the last ones padding, so every shard

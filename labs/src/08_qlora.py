@@ -4,7 +4,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from nbbuild import build, code, md  # noqa: E402
+from nbbuild import build, code, exercise, md  # noqa: E402
 
 CELLS = [
     md("""
@@ -18,8 +18,10 @@ CELLS = [
     3. Look inside a tensor subclass: what `__torch_dispatch__` sees when the model uses an NF4 weight.
     4. Put a LoRA adapter on a linear layer; train QLoRA under FSDP2 on 2 ranks and read the
        `quantized` memory category and the bytes each all-gather moves, against bf16.
-    5. Set our estimates for Llama-2-7B beside the published figures, explore the knobs, and write
-       the nearest-code lookup yourself.
+    5. Set our estimates for Llama-2-7B beside the published figures and explore the knobs.
+
+    **Exercises.** You write the LoRA forward on an NF4 weight (section 6) and the nearest-code lookup
+    (section 10); a checking cell after each compares your code with fsdp_lab's and names the mistake.
     """),
     code("""
     %matplotlib inline
@@ -32,7 +34,7 @@ CELLS = [
     from statistics import NormalDist
     from torch.utils._python_dispatch import TorchDispatchMode
     import fsdp_lab
-    from fsdp_lab.workshop import lab_files
+    from fsdp_lab.workshop import lab_files, lab08
     from fsdp_lab.qlora import NF4_CODEBOOK, NF4Tensor, LoRALinear, apply_lora, build_nf4_codebook, to_nf4
     from fsdp_lab.qlora.nf4 import (nearest_nf4_code, nf4_bits_per_param, nf4_storage_bytes, pack_nibbles,
                                     quantize_nf4_blocks, unpack_nibbles)
@@ -221,6 +223,26 @@ CELLS = [
         loss.backward(); opt.step(); opt.zero_grad()
         if step in (0, 59):
             print(f"step {step:2d}  loss {loss.item():.4f}")
+    """),
+    md("""
+    ### Exercise: the LoRA forward
+
+    Write `lora_forward(x, weight, lora_a, lora_b, alpha, rank)`, the output of one LoRA linear without a
+    bias: the frozen `weight` (an `NF4Tensor`, out × in) applied to `x`, plus the low-rank update through
+    `lora_a` (rank × in) and then `lora_b` (out × rank), scaled by `alpha / rank`. `F.linear(x, weight)`
+    dequantizes an NF4 weight for you; most other ops on it are refused. The check uses a random B: at
+    initialisation B is zero, and a zero B hides every mistake in the update.
+    """),
+    exercise("""
+    def lora_forward(x, weight, lora_a, lora_b, alpha, rank):
+        ### BEGIN SOLUTION
+        update = F.linear(F.linear(x, lora_a), lora_b)
+        return F.linear(x, weight) + update * (alpha / rank)
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("return F.linear(x, weight) plus the update through lora_a then lora_b, times alpha / rank")
+    """),
+    code("""
+    lab08.check_lora_forward(lora_forward)
     """),
     md("""
     ## 7. QLoRA under FSDP2 on 2 ranks
@@ -475,18 +497,16 @@ CELLS = [
     bitsandbytes and torchao do). Hint: compare with the 15 midpoints between neighbouring codes,
     computed in float32.
     """),
-    code("""
+    exercise("""
     def nearest_code(normalised):
+        ### BEGIN SOLUTION
         midpoints = (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2
         return (normalised[..., None] > midpoints).sum(dim=-1).to(torch.uint8)
+        ### END SOLUTION
+        ### STUB raise NotImplementedError("count, for each value, the midpoints between neighbouring codes that lie strictly below it")
     """),
     code("""
-    torch.manual_seed(3)
-    values = torch.cat([torch.rand(10_000) * 2 - 1, NF4_CODEBOOK,
-                        (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2])    # random, the codes, exact ties
-    mine, theirs = nearest_code(values), nearest_nf4_code(values)
-    ok = mine.shape == theirs.shape and torch.equal(mine.long(), theirs.long())
-    print("correct" if ok else f"not yet: {(mine.long() != theirs.long()).sum().item()} values differ")
+    lab08.check_nearest_code(nearest_code)
     """),
     md("""
     ## Summary

@@ -82,8 +82,8 @@ CELLS = [
     `optimizer_step`. The sync hook runs at `all_gather`, `reduce_scatter` and `optimizer_step`.
 
     First without sync hooks: rank 1 fails at its second `pre_backward` and goes to agree on a retry,
-    while rank 0 is already inside the backward all-gather. `launch(..., timeout=...)` ends the hang and
-    names each rank's last collective.
+    while rank 0 is already inside the backward all-gather. `launch` sees both ranks waiting in collectives
+    that differ, ends the hang and names each rank's last collective.
     """),
     code("""
     B, SEQ = 8, 32      # samples per rank per step, sequence length
@@ -117,7 +117,7 @@ CELLS = [
         amb.train_step(rank_batch(0))
 
     try:
-        fsdp_lab.launch(without_hooks, world_size=2, timeout=60)   # generous: ranks must reach the hang on a busy machine
+        fsdp_lab.launch(without_hooks, world_size=2, timeout=60)   # a backstop: the deadlock is seen once both ranks wait
     except fsdp_lab.LaunchTimeout as error:
         print(type(error).__name__, "- last collective each rank entered:")
         for rank, last in enumerate(error.last_collectives):
@@ -185,7 +185,8 @@ CELLS = [
 
     Without hooks rank 0 sits in FSDP's all-gather while rank 1 waits in the agreement's all-reduce
     (`oom_sync`, on this package's own gloo group). In Composer both run on the one default communicator,
-    so there the mismatch is an all-reduce facing an all-gather; either way only the timeout ends it.
+    so there the mismatch is an all-reduce facing an all-gather; either way neither rank can go on, and on a
+    real cluster only the collective timeout (NCCL's watchdog) ends it.
 
     ## 3. The agreement protocol on a timeline
 

@@ -1,0 +1,85 @@
+"""Lab 08's checkers (QLoRA) on the shipped stubs, the shipped solutions and typical wrong answers.
+
+References: the nearest-code lookup against a brute-force search over the code book worked here
+in float64 (ties to the lower code) and fsdp_lab's ``nearest_nf4_code``; the LoRA forward against
+the formula written out here and against ``LoRALinear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_lab.qlora import NF4_CODEBOOK
+from fsdp_lab.qlora.nf4 import nearest_nf4_code
+from fsdp_lab.workshop import lab08
+from test_workshop_labs import shipped
+
+LAB08 = shipped("08_qlora", {"F": F, "NF4_CODEBOOK": NF4_CODEBOOK})
+
+
+def brute_force_code(values: torch.Tensor) -> torch.Tensor:
+    """Nearest code by distance in float64; argmin takes the first (lower) code of a tie."""
+    distances = (values.double()[:, None] - NF4_CODEBOOK.double()[None, :]).abs()
+    return distances.argmin(dim=1)
+
+
+def test_reference_lookup_is_the_nearest_code():
+    values = lab08.nearest_code_cases()
+    ties = torch.isin(values, (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2)
+    assert int(ties.sum()) == 15
+    # away from the float32 midpoints, nearest by distance is unambiguous
+    assert torch.equal(nearest_nf4_code(values[~ties]).long(), brute_force_code(values[~ties]))
+    # at a midpoint, the lower of the two neighbours
+    assert nearest_nf4_code(values[ties]).long().tolist() == list(range(15))
+
+
+def test_nearest_code_checker():
+    stub, solution = LAB08["nearest_code"]
+    assert lab08.check_nearest_code(stub).mistake == "stub"
+    assert lab08.check_nearest_code(solution).solved
+    midpoints = (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2
+    ties_up = lambda v: (v[..., None] >= midpoints).sum(-1).to(torch.uint8)  # noqa: E731
+    assert lab08.check_nearest_code(ties_up).mistake == "ties_up"
+    by_distance = lambda v: (v[..., None] - NF4_CODEBOOK).abs().argmin(-1)  # noqa: E731
+    assert lab08.check_nearest_code(by_distance).mistake == "tie_rounding"
+    uniform = lambda v: torch.round((v + 1) / 2 * 15).to(torch.uint8)  # noqa: E731
+    assert lab08.check_nearest_code(uniform).mistake == "uniform"
+    assert lab08.check_nearest_code(lambda v: torch.round((v + 1) / 2 * 15)).mistake == "float_codes"
+    mirrored = lambda v: 15 - nearest_nf4_code(v)  # noqa: E731
+    assert lab08.check_nearest_code(mirrored).mistake == "reversed"
+
+
+def formula(x, weight, lora_a, lora_b, alpha, rank):
+    """x Wᵀ + (alpha / rank) · x Aᵀ Bᵀ, with W dequantized by hand."""
+    w = weight.dequantize(torch.float32)
+    return x @ w.T + (x @ lora_a.T @ lora_b.T) * (alpha / rank)
+
+
+def test_lora_forward_checker():
+    stub, solution = LAB08["lora_forward"]
+    assert lab08.check_lora_forward(stub).mistake == "stub"
+    assert lab08.check_lora_forward(solution).solved
+    assert lab08.check_lora_forward(formula).solved
+    unscaled = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, a), b)  # noqa: E731
+    assert lab08.check_lora_forward(unscaled).mistake == "no_scaling"
+    by_alpha = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, a), b) * al  # noqa: E731
+    assert lab08.check_lora_forward(by_alpha).mistake == "alpha_only"
+    swapped = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, b), a) * al / r  # noqa: E731
+    assert lab08.check_lora_forward(swapped).mistake == "order"
+    matmul_nf4 = lambda x, w, a, b, al, r: x @ w.T + F.linear(F.linear(x, a), b) * al / r  # noqa: E731
+    assert lab08.check_lora_forward(matmul_nf4).mistake == "nf4_op"
+    detached = lambda x, w, a, b, al, r: F.linear(x, w) + (F.linear(F.linear(x, a), b) * al / r).detach()  # noqa: E731
+    assert lab08.check_lora_forward(detached).mistake == "detached"
+    assert lab08.check_lora_forward(lambda x, w, a, b, al, r: F.linear(x, w)).mistake == "base_only"
+
+
+def test_lora_case_reference_matches_the_formula():
+    case = lab08.lora_case()
+    out, grad_a, grad_b = lab08._reference(case)
+    a = case["lora_a"].clone().requires_grad_(True)
+    b = case["lora_b"].clone().requires_grad_(True)
+    mine = formula(case["x"], case["weight"], a, b, case["alpha"], case["rank"])
+    mine.sum().backward()
+    assert torch.allclose(out, mine.detach(), atol=1e-5)
+    assert torch.allclose(grad_a, a.grad, atol=1e-5) and torch.allclose(grad_b, b.grad, atol=1e-5)
