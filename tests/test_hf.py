@@ -253,3 +253,11 @@ def test_merged_qlora_model_round_trips_through_from_pretrained(tmp_path):
 def test_export_refuses_a_model_without_adapters(tmp_path):
     with pytest.raises(ValueError, match="apply_lora"):
         hf.export_peft_adapters(tiny_model("llama"), tmp_path)
+
+
+def test_plain_save_pretrained_of_nf4_weights_names_the_way_to_save(tmp_path):
+    model = qlora(tiny_model("llama"))
+    with pytest.raises(TypeError, match=r"NF4Tensor\(shape=.*fsdp_lab\.hf\.save_pretrained\(model, directory\)"):
+        model.save_pretrained(tmp_path / "plain")
+    hf.save_pretrained(model, tmp_path / "ours")  # the documented way still works
+    assert (tmp_path / "ours" / "model.safetensors").exists()

@@ -242,6 +242,10 @@ class NF4Tensor(torch.Tensor):
             # to param.data, leaving a wrapper that claims a new dtype over the old bytes. With
             # False it replaces the parameter: NF4 -> NF4 for a device move, plain for a dtype change.
             return False
+        if func is torch.Tensor.data_ptr:
+            # safetensors (and so model.save_pretrained) reads numel * itemsize bytes from here:
+            # there are no such bytes, and a 0 would only give an unexplained error later
+            raise TypeError(f"{args[0]!r}: {_NO_FLOAT_DATA}")
         if func in (torch.Tensor.untyped_storage, torch.Tensor.storage):
             # A wrapper subclass has no storage of its own (data_ptr raises "invalid python
             # storage"). Code that asks for one (safetensors' and transformers' tied-weight
@@ -285,6 +289,16 @@ class NF4Tensor(torch.Tensor):
         from fsdp_lab.qlora import nf4_fsdp
 
         return nf4_fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
+
+_NO_FLOAT_DATA = (
+    "an NF4Tensor has no float data to point at (it stores 4-bit codes and their scales), so "
+    "safetensors and a plain model.save_pretrained cannot write it. For a QLoRA model use "
+    "fsdp_lab.hf.save_pretrained(model, directory) (base weights written dequantized) or "
+    "fsdp_lab.hf.export_peft_adapters(model, directory) (the adapters alone, PEFT's format); "
+    "fsdp_lab.qlora.merge_lora(model) gives plain weights first; torch.save(model.state_dict()) "
+    "keeps the NF4 bytes."
+)
 
 
 def _rebuild_nf4(inner, fields) -> NF4Tensor:
