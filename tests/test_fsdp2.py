@@ -144,8 +144,9 @@ def _uneven_batch(step):
     return torch.randn(4, 3, generator=g), torch.randn(4, 7, generator=g)
 
 
-def _train(model, rank, world, *, accum=1, sync_every_micro=True, steps=STEPS, uneven=False):
-    """5 AdamW steps; returns the per-step losses of this rank (mean over microbatches)."""
+def _train(model, rank, world, *, accum=1, sync_every_micro=True, steps=STEPS, uneven=False, after_step=None):
+    """5 AdamW steps; returns the per-step losses of this rank (mean over microbatches).
+    ``after_step(step)`` runs after each optimizer step."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.1)
     losses = []
@@ -168,7 +169,53 @@ def _train(model, rank, world, *, accum=1, sync_every_micro=True, steps=STEPS, u
         opt.step()
         opt.zero_grad()
         losses.append(total / accum)
+        if after_step is not None:
+            after_step(step)
     return losses
+
+
+class _CountCollectives:
+    """A collectives recorder that only counts calls by name (the CommDebugMode pattern)."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    def mark(self):
+        return None
+
+    def record_comm(self, start, name, nbytes, *, lane, **args):
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def open_comm(self, start, name, nbytes, *, lane, **args):
+        self.record_comm(start, name, nbytes, lane=lane)
+        return self
+
+    def close_on_completion(self, works):
+        pass
+
+    def close(self):
+        pass
+
+
+def _train_step_by_step(model, rank, world, full_params):
+    """Train like ``_train``, keeping the full parameters and the collectives of every step."""
+    from fsdp_lab import collectives
+
+    counter, per_step, params = _CountCollectives(), [], []
+    seen = {}
+
+    def after_step(step):
+        per_step.append({k: v - seen.get(k, 0) for k, v in counter.counts.items()})
+        params.append(full_params(model))  # its own all-gathers are taken out of the next step's counts
+        seen.clear()
+        seen.update(counter.counts)
+
+    collectives.add_recorder(counter)
+    try:
+        losses = _train(model, rank, world, after_step=after_step)
+    finally:
+        collectives.remove_recorder(counter)
+    return losses, params, per_step
 
 
 def _shard_llama(model, fully_shard, tied=False, **kwargs):
@@ -196,22 +243,28 @@ def _rank_suite():
     def full_params(model):
         return {k: v for k, v in get_full_state_dict(model).items()}
 
-    def ours(name, *, tied=False, freeze=False, accum=1, sync_every_micro=True, checkpoint=False, **kwargs):
+    def ours(name, *, tied=False, freeze=False, accum=1, sync_every_micro=True, checkpoint=False,
+             step_by_step=False, **kwargs):
         model = Llama(_config(tied), seed=0)
         if freeze:
             _freeze(model)
         if checkpoint:
             apply_activation_checkpointing(model)
         _shard_llama(model, fully_shard, tied=tied, **kwargs)
+        if step_by_step:
+            losses, params, per_step = _train_step_by_step(model, rank, world, full_params)
+            out[name] = {"losses": losses, "params": params[-1], "params_per_step": params,
+                         "collectives_per_step": per_step}
+            return model
         losses = _train(model, rank, world, accum=accum, sync_every_micro=sync_every_micro)
         out[name] = {"losses": losses, "params": full_params(model)}
         return model
 
-    model = ours("raf_true", reshard_after_forward=True)
+    model = ours("raf_true", reshard_after_forward=True, step_by_step=True)
     out["is_dtensor"] = all(isinstance(p, DTensor) for p in model.parameters())
     out["local_shapes"] = {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}
-    ours("raf_false", reshard_after_forward=False)
-    ours("default", )
+    ours("raf_false", reshard_after_forward=False, step_by_step=True)
+    ours("default", step_by_step=True)
     ours("accum_nosync", accum=2, sync_every_micro=False)
     ours("accum_sync", accum=2)
     ours("tied", tied=True)
@@ -405,8 +458,13 @@ def _reference(tied=False, freeze=False, accum=1, uneven=False):
     model = Uneven() if uneven else Llama(_config(tied), seed=0)
     if freeze:
         _freeze(model)
-    losses = _train(model, 0, 1, accum=accum, uneven=uneven)
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    per_step = []
+
+    def snapshot(step):
+        per_step.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+
+    losses = _train(model, 0, 1, accum=accum, uneven=uneven, after_step=snapshot)
+    return {"losses": losses, "params": per_step[-1], "params_per_step": per_step}
 
 
 @pytest.fixture(scope="module")
@@ -459,6 +517,28 @@ def test_matches_single_process(suite, references, name, ref):
     expected = references[ref]
     assert _mean_losses(results, name) == pytest.approx(expected["losses"], rel=LOSS_REL, abs=TOL)
     assert _max_diff(results[0][name]["params"], expected["params"]) <= TOL
+
+
+@pytest.mark.parametrize("name", ["raf_true", "raf_false", "default"])
+def test_parameters_match_single_process_after_every_step(suite, references, name):
+    _, results = suite
+    steps = results[0][name]["params_per_step"]
+    assert len(steps) == STEPS
+    for step, (ours, reference) in enumerate(zip(steps, references["plain"]["params_per_step"])):
+        assert _max_diff(ours, reference) <= TOL, f"step {step}"
+
+
+@pytest.mark.parametrize("name", ["raf_true", "raf_false", "default"])
+def test_collectives_per_step_match_the_schedule(suite, name):
+    # One group per block plus the root's, each gathered before forward and reduce-scattered
+    # once. Resharded after forward, a group is gathered again for backward. By default
+    # (reshard_after_forward=None) the root keeps its parameters between forward and backward,
+    # as PyTorch's fully_shard does (it frees them only when reshard_after_forward=True is explicit).
+    _, results = suite
+    blocks = CONFIG["n_layers"]
+    all_gathers = {"raf_true": 2 * (blocks + 1), "raf_false": blocks + 1, "default": 2 * blocks + 1}[name]
+    for step in results[0][name]["collectives_per_step"]:
+        assert step == {"all_gather": all_gathers, "reduce_scatter": blocks + 1}, step
 
 
 def test_frozen_params_unchanged(suite, references):
