@@ -5,7 +5,6 @@ is still a circle). Read from the source (ast), so nothing is imported to check 
 import ast
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lab"
 
@@ -52,12 +51,6 @@ def _imports(module: str) -> list[tuple[str, bool]]:
 
 GRAPH = {m: _imports(m) for m in MODULES}
 
-# Not yet layered: NF4Tensor's FSDP methods import nf4_fsdp inside functions (and nf4_tensor.py
-# imports it at its bottom), while nf4_fsdp builds NF4Tensors. Listed so any other circle fails
-# now; test_qlora_nf4_is_layered fails (strict xfail) the moment this one is gone.
-NOT_YET_LAYERED = {"fsdp_lab.qlora.nf4", "fsdp_lab.qlora.nf4_tensor", "fsdp_lab.qlora.nf4_fsdp"}
-
-
 def _circles() -> list[list[str]]:
     """Strongly connected groups of more than one module (Tarjan), each sorted."""
     index, low, stack, on_stack, groups = {}, {}, [], set(), []
@@ -97,7 +90,7 @@ def test_the_walk_sees_the_package():
 
 
 def test_no_import_circle_in_the_package():
-    circles = [c for c in _circles() if set(c) != NOT_YET_LAYERED]
+    circles = _circles()
     assert not circles, "import circles (each group reaches itself): " + "; ".join(" <-> ".join(c) for c in circles)
 
 
@@ -115,10 +108,5 @@ def test_no_function_level_import_that_closes_a_circle():
         return False
 
     dodges = sorted({f"{m} -> {x}" for m, edges in GRAPH.items() for x, nested in edges
-                     if nested and reaches(x, m) and not {m, x} <= NOT_YET_LAYERED})
+                     if nested and reaches(x, m)})
     assert not dodges, f"imports inside functions that hide a circle: {dodges}"
-
-
-@pytest.mark.xfail(strict=True, reason="qlora nf4 <-> nf4_tensor <-> nf4_fsdp not yet layered")
-def test_qlora_nf4_is_layered():
-    assert not any(set(c) == NOT_YET_LAYERED for c in _circles())

@@ -24,6 +24,10 @@ touch: groups_per_rank = the most groups any rank's block range touches (padded 
 factor 1.0), plus the float32 mean of all scales. After the all-gather, group g's factor
 is read from the rank that holds block g * scaler_block_size. This costs at most one
 extra float32 per rank and keeps the gathered weight bit-identical to the original.
+
+This module sits below ``nf4_tensor.py``, which calls it from ``NF4Tensor``'s ``fsdp_*``
+methods and dispatch table: it never imports the class, and builds new weights as
+``type(weight)(...)`` (or the ``cls`` the caller passes).
 """
 
 from __future__ import annotations
@@ -33,8 +37,7 @@ import math
 
 import torch
 
-from fsdp_lab.qlora.nf4 import NF4_ZERO_CODE, n_blocks_for
-from fsdp_lab.qlora.nf4_tensor import NF4Layout, NF4Tensor, _tag_quantized
+from fsdp_lab.qlora.nf4_codec import NF4_ZERO_CODE, n_blocks_for, tag_quantized
 
 _PAD_BYTE = (NF4_ZERO_CODE << 4) | NF4_ZERO_CODE
 
@@ -110,14 +113,14 @@ def shard(weight: NF4Tensor, rank: int, world_size: int) -> NF4Tensor:
         mean = weight.scale_mean.clone()
     else:
         factors, mean = weight.scale_factors.clone(), weight.scale_mean.clone()
-    _tag_quantized(packed, scales, factors, mean)
+    tag_quantized(packed, scales, factors, mean)
     held = min(lo.numel, (start + plan.blocks_per_rank) * lo.block_size) - start * lo.block_size
     rows = lo.shape[0]
     layout = dataclasses.replace(
         lo, shape=(math.ceil(rows / world_size), *lo.shape[1:]), numel=max(0, held),
         first_block=start, full_shape=lo.shape, rank=rank, world_size=world_size,
     )
-    return NF4Tensor(packed, scales, factors, mean, layout)
+    return type(weight)(packed, scales, factors, mean, layout)
 
 
 def unpadded(weight: NF4Tensor) -> NF4Tensor:
@@ -130,9 +133,9 @@ def unpadded(weight: NF4Tensor) -> NF4Tensor:
     if lo.is_shard:
         raise ValueError(f"{weight!r} is a shard; gather it first (fsdp_lab.fsdp2.full_tensor)")
     n_blocks = n_blocks_for(lo.numel, lo.block_size)
-    out = NF4Tensor(weight.packed[: n_blocks * lo.block_size // 2].clone(), weight.scales[:n_blocks].clone(),
+    out = type(weight)(weight.packed[: n_blocks * lo.block_size // 2].clone(), weight.scales[:n_blocks].clone(),
                     weight.scale_factors.clone(), weight.scale_mean.clone(), lo)
-    _tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
+    tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
     return out
 
 
@@ -153,7 +156,7 @@ def pre_all_gather(local: NF4Tensor, mesh=None) -> tuple[tuple[torch.Tensor, ...
     return (local.packed, local.scales), lo
 
 
-def post_all_gather(all_gather_outputs, metadata: NF4Layout, param_dtype, *, out=None):
+def post_all_gather(all_gather_outputs, metadata: "NF4Layout", param_dtype, *, out=None, cls=None):
     """The whole weight from the gathered shards (each output = all ranks' inputs in rank order).
 
     Returns ``(NF4Tensor of the full shape in param_dtype, its inner tensors)``; the packed
@@ -161,8 +164,8 @@ def post_all_gather(all_gather_outputs, metadata: NF4Layout, param_dtype, *, out
     the end and are skipped when dequantizing). With ``out`` (an NF4Tensor returned by an
     earlier call) fills it in place and returns None. The gathered codes and scales keep
     the memory tag the caller gave its all-gather buffers; only the small factor and mean
-    tensors made here are tagged ``quantized``. Raises ValueError on sizes that do not
-    match the metadata.
+    tensors made here are tagged ``quantized``. ``cls``: the class to build (the shard's own,
+    ``NF4Tensor``). Raises ValueError on sizes that do not match the metadata.
     """
     lo = metadata
     full_numel = math.prod(lo.full_shape)
@@ -185,15 +188,15 @@ def post_all_gather(all_gather_outputs, metadata: NF4Layout, param_dtype, *, out
         mean = gathered[0, plan.groups_per_rank:].clone()
     else:
         factors, mean = packed.new_empty(0, dtype=torch.float32), packed.new_empty(0, dtype=torch.float32)
-    _tag_quantized(factors, mean)
+    tag_quantized(factors, mean)
     full = dataclasses.replace(
         lo, shape=lo.full_shape, dtype=param_dtype or lo.dtype, numel=full_numel,
         first_block=0, full_shape=None, rank=0, world_size=1,
     )
     inner = (packed, scales, factors, mean)
     if out is None:
-        return NF4Tensor(*inner, full), inner
-    if not isinstance(out, NF4Tensor) or dataclasses.replace(out.nf4_layout, dtype=full.dtype) != full:
+        return cls(*inner, full), inner
+    if not isinstance(out, cls) or dataclasses.replace(out.nf4_layout, dtype=full.dtype) != full:
         raise ValueError(f"out must be the NF4Tensor an earlier fsdp_post_all_gather returned, got {out!r}")
     for name, new in zip(("packed", "scales", "scale_factors", "scale_mean"), inner):
         current = getattr(out, name)
@@ -298,7 +301,7 @@ def row_window(weight: NF4Tensor, start: int, end: int) -> NF4Tensor | None:
         factors = factors[(lo.first_block + b0) // lo.scaler_block_size - lo.first_block // lo.scaler_block_size:]
     layout = dataclasses.replace(lo, shape=(end - start, *lo.full_shape[1:]), numel=v1 - v0,
                                  first_block=lo.first_block + b0)
-    return NF4Tensor(weight.packed[b0 * half:b1 * half], weight.scales[b0:b1], factors, weight.scale_mean, layout)
+    return type(weight)(weight.packed[b0 * half:b1 * half], weight.scales[b0:b1], factors, weight.scale_mean, layout)
 
 
 def copy_blocks(dst: NF4Tensor, src: NF4Tensor) -> bool:

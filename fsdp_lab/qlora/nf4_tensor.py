@@ -25,18 +25,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fsdp_lab.qlora.nf4 import (
+from fsdp_lab.qlora import nf4_fsdp
+from fsdp_lab.qlora.nf4_codec import (
     dequantize_nf4_blocks,
     dequantize_nf4_blocks_fused,
     dequantize_scales,
     double_quantize_scales,
     quantize_nf4_blocks,
+    tag_quantized,
 )
-
-try:
-    from fsdp_lab.memory.tags import tag as _tag
-except ImportError:  # the memory package is optional for NF4 itself
-    _tag = None
 
 aten = torch.ops.aten
 _FUNCTIONAL_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
@@ -68,13 +65,6 @@ class NF4Layout:
     @property
     def is_shard(self) -> bool:
         return self.full_shape is not None
-
-
-def _tag_quantized(*tensors: torch.Tensor) -> None:
-    if _tag is not None:
-        for t in tensors:
-            if t.numel():
-                _tag(t, "quantized")
 
 
 class NF4Tensor(torch.Tensor):
@@ -120,7 +110,7 @@ class NF4Tensor(torch.Tensor):
             scales, factors, mean = double_quantize_scales(absmax, scaler_block_size)
         else:
             scales, factors, mean = absmax, absmax.new_empty(0), absmax.new_empty(0)
-        _tag_quantized(packed, scales, factors, mean)
+        tag_quantized(packed, scales, factors, mean)
         layout = NF4Layout(tuple(tensor.shape), tensor.dtype, block_size, scaler_block_size,
                            double_quant, tensor.numel(), compile=compile)
         return cls(packed, scales, factors, mean, layout)
@@ -206,8 +196,6 @@ class NF4Tensor(torch.Tensor):
 
         Equal, byte for byte, to ``to_nf4`` of the weight on one process. Raises ValueError on a shard.
         """
-        from fsdp_lab.qlora import nf4_fsdp
-
         return nf4_fsdp.unpadded(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -274,21 +262,15 @@ class NF4Tensor(torch.Tensor):
     # -- FSDP2 all-gather extension (see nf4_fsdp.py) -------------------------------
     def fsdp_shard(self, rank: int, world_size: int) -> "NF4Tensor":
         """This rank's shard: whole blocks of the flattened weight, padded to equal size."""
-        from fsdp_lab.qlora import nf4_fsdp
-
         return nf4_fsdp.shard(self, rank, world_size)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """``(tensors to all-gather, metadata)``: packed codes and scale data, no floats of the weight."""
-        from fsdp_lab.qlora import nf4_fsdp
-
         return nf4_fsdp.pre_all_gather(self, mesh)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """``(unsharded NF4Tensor, inner tensors)`` from the gathered bytes, or fill ``out``."""
-        from fsdp_lab.qlora import nf4_fsdp
-
-        return nf4_fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        return nf4_fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out=out, cls=type(self))
 
 
 _NO_FLOAT_DATA = (
@@ -299,6 +281,24 @@ _NO_FLOAT_DATA = (
     "fsdp_lab.qlora.merge_lora(model) gives plain weights first; torch.save(model.state_dict()) "
     "keeps the NF4 bytes."
 )
+
+
+def to_nf4(
+    tensor: torch.Tensor,
+    block_size: int = 64,
+    scaler_block_size: int = 256,
+    double_quant: bool = True,
+    compile: bool | None = None,
+) -> NF4Tensor:
+    """Quantize a floating-point tensor to an ``NF4Tensor`` (torchao's ``to_nf4`` with padding).
+
+    The result reports ``tensor``'s shape, dtype and device and stores packed codes plus
+    (double-quantized) scales. ``compile``: dequantize with a ``torch.compile``d kernel;
+    None means yes on CUDA, no elsewhere. Raises ValueError for a non-float or 0-d
+    tensor or a bad block size.
+    """
+    return NF4Tensor.from_float(tensor, block_size=block_size, scaler_block_size=scaler_block_size,
+                                double_quant=double_quant, compile=compile)
 
 
 def _rebuild_nf4(inner, fields) -> NF4Tensor:
@@ -352,7 +352,7 @@ def _detach(self: NF4Tensor) -> NF4Tensor:
 
 def _clone(self: NF4Tensor, memory_format=None) -> NF4Tensor:
     out = self._with_inner(torch.clone)
-    _tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
+    tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
     return out
 
 
@@ -368,7 +368,7 @@ def _to_copy(self: NF4Tensor, dtype=None, layout=None, device=None, pin_memory=N
     out = self._with_inner(lambda t: t.to(device, non_blocking=non_blocking, copy=True))
     if pin_memory:
         out = out._with_inner(torch.Tensor.pin_memory)
-    _tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
+    tag_quantized(out.packed, out.scales, out.scale_factors, out.scale_mean)
     return out
 
 
@@ -381,14 +381,10 @@ def _copy_(dst: NF4Tensor, src, non_blocking=False) -> NF4Tensor:
         src = NF4Tensor.from_float(src.to(dst.device), lo.block_size, lo.scaler_block_size, lo.double_quant)
     if dst.is_shard and not src.is_shard and tuple(src.shape) == tuple(whole_shape):
         # A whole weight copied into a shard: the shard takes its own blocks of it.
-        from fsdp_lab.qlora import nf4_fsdp
-
         src = nf4_fsdp.shard(src, lo.rank, lo.world_size)
     if dst.is_shard and src.is_shard and (src.nf4_layout.world_size != lo.world_size or
                                           src.nf4_layout.shape[0] != lo.shape[0]):
         # pieces of shards cut for other world sizes (a DCP reshard): write the blocks src holds
-        from fsdp_lab.qlora import nf4_fsdp
-
         if nf4_fsdp.copy_blocks(dst, src):
             return dst
     target = dataclasses.replace(dst.nf4_layout, dtype=src.dtype, compile=src.nf4_layout.compile)
@@ -425,10 +421,7 @@ _DISPATCH = {
     aten._pin_memory.default: _pin_memory,
 }
 
-# Row-chunk ops that torch's own fully_shard uses (even, block-aligned chunks only).
-from fsdp_lab.qlora.nf4_fsdp import TORCH_FSDP2_OPS  # noqa: E402  (nf4_fsdp imports NF4Tensor)
-
-_DISPATCH.update(TORCH_FSDP2_OPS)
+_DISPATCH.update(nf4_fsdp.TORCH_FSDP2_OPS)  # the row-chunk ops torch's own fully_shard uses
 
 # torch.load(weights_only=True) refuses unknown callables; these two are safe to rebuild.
 torch.serialization.add_safe_globals([_rebuild_nf4, NF4Tensor])
