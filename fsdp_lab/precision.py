@@ -176,6 +176,42 @@ def grad_comm_dtype(policy: Any, orig_dtype: torch.dtype) -> torch.dtype:
     return getattr(policy, "grad_comm_dtype", None) or reduce_dtype(policy, orig_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class ParamDtypes:
+    """The dtypes of one parameter's life under a policy, decided once by :func:`param_dtypes`.
+
+    ``compute``: gathered and used in forward and backward; ``master``: the sharded weight the
+    optimizer updates (and its state); ``wire``: gradients travel in it across ranks;
+    ``accumulation``: the sharded gradient sums microbatches and arriving reductions in (kept
+    apart from ``.grad`` when it is not ``master``); ``unsharded_accumulation``: the full gradient
+    kept aside without gradient sync sums in.
+    """
+
+    compute: torch.dtype
+    master: torch.dtype
+    wire: torch.dtype
+    accumulation: torch.dtype
+    unsharded_accumulation: torch.dtype
+
+
+def param_dtypes(policy: Any, orig_dtype: torch.dtype, trainable: bool = True) -> ParamDtypes:
+    """Every dtype of a parameter of ``orig_dtype`` under ``policy`` (see :class:`ParamDtypes`).
+
+    The rules are PyTorch's where it has the field (compute: ``param_dtype``, else the
+    parameter's own; the no-sync buffer: the reduce dtype) and Megatron-FSDP's for the others
+    (master: :func:`main_params_dtype`; wire: :func:`grad_comm_dtype`; accumulation:
+    :func:`accumulation_dtype` of ``main_grads_dtype``, else the master dtype).
+    """
+    compute = compute_dtype(policy.param_dtype, orig_dtype)
+    master = main_params_dtype(policy, orig_dtype, trainable)
+    main_grads = getattr(policy, "main_grads_dtype", None)
+    return ParamDtypes(
+        compute=compute, master=master, wire=grad_comm_dtype(policy, orig_dtype),
+        accumulation=accumulation_dtype(main_grads, compute, master),
+        unsharded_accumulation=accumulation_dtype(main_grads, compute, reduce_dtype(policy, orig_dtype)),
+    )
+
+
 def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
     """Cast every floating tensor in nested containers to ``dtype`` (None: unchanged).
 

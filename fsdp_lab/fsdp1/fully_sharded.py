@@ -29,8 +29,7 @@ from fsdp_lab.fsdp1.handle import FlatHandle, handle_factory_for
 from fsdp_lab.fsdp1.layout import ParamInfo, ShardingSpec
 from fsdp_lab.fsdp1.runtime import WRAPPED, ShardedUnit, claim, clean_name, owner_of, units_in
 from fsdp_lab.fsdp1.wrap import recursive_wrap
-from fsdp_lab.precision import (MixedPrecision, accumulation_dtype, grad_comm_dtype, main_params_dtype,
-                                reduce_dtype)
+from fsdp_lab.precision import MixedPrecision, ParamDtypes, param_dtypes
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -115,11 +114,9 @@ class FullyShardedDataParallel(ShardedUnit):
                     handle.unit_name = clean_name(path).removesuffix(f".{WRAPPED}") or "root"
 
     # --- construction -----------------------------------------------------------------------------
-    def _grad_config(self, compute: torch.dtype) -> GradConfig:
-        """Accumulation buffer in main_grads_dtype (PyTorch: the reduce dtype), wire in grad_comm_dtype."""
-        policy = self.mixed_precision
-        return GradConfig(accumulation_dtype(policy.main_grads_dtype, compute, reduce_dtype(policy, compute)),
-                          grad_comm_dtype(policy, compute), self.grad_accumulation, self.replicate_group,
+    def _grad_config(self, dtypes: ParamDtypes) -> GradConfig:
+        """The flat gradient buffer accumulates unsharded (as FSDP1 does without sync) and travels in the wire dtype."""
+        return GradConfig(dtypes.unsharded_accumulation, dtypes.wire, self.grad_accumulation, self.replicate_group,
                           self.world_size)
 
     def _build_handles(self, module: nn.Module, ignored: set[nn.Module]) -> list[FlatHandle]:
@@ -145,16 +142,17 @@ class FullyShardedDataParallel(ShardedUnit):
                     by_factory.setdefault(factory, []).append(info)
                     continue
                 own = param.dtype
-                main = main_params_dtype(self.mixed_precision, own, param.requires_grad)
+                main = param_dtypes(self.mixed_precision, own, param.requires_grad).master
                 if main != own:  # the flat shard (master weights) is built from what the module holds
                     param.data = param.data.to(main)
                 by_kind.setdefault((param.dtype, param.requires_grad, own), []).append(info)
         name = type(module).__name__  # replaced by the unit's path once the outermost unit is built
         handles: list[FlatHandle] = []
         for (dtype, requires_grad, own), members in by_kind.items():
-            compute = self.mixed_precision.param_dtype or own if dtype.is_floating_point else dtype
+            dtypes = param_dtypes(self.mixed_precision, own, requires_grad)
+            compute = dtypes.compute if dtype.is_floating_point else dtype
             handles.append(FlatParamHandle(members, self._spec, compute_dtype=compute, unit_name=name,
-                                           grad_config=self._grad_config(compute) if requires_grad else None))
+                                           grad_config=self._grad_config(dtypes) if requires_grad else None))
         for factory, members in by_factory.items():
             handles.append(factory(members, self._spec, param_dtype=self.mixed_precision.param_dtype, unit_name=name))
         for handle in handles:

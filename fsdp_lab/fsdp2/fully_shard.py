@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
 from fsdp_lab.fsdp2.hooks import _FSDPState
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
-from fsdp_lab.precision import MixedPrecisionPolicy, main_params_dtype
+from fsdp_lab.precision import MixedPrecisionPolicy, param_dtypes
 
 __all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
 
@@ -78,7 +78,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     fsdp_params = _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy)
     name = ",".join(type(m).__name__ for m in modules)
     group = FSDPParamGroup(fsdp_params, modules, mesh, device, reshard_after_forward is not False,
-                           mp_policy.grad_comm_dtype or mp_policy.reduce_dtype or mp_policy.param_dtype,
                            name=name) if fsdp_params else None
     state = _FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
     for m in modules:
@@ -173,11 +172,8 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[
     for p, infos in found.items():
         data = p if p.device == device or p.is_meta else p.to(device)  # meta: shards on meta until to_empty
         trainable = p.requires_grad and not hasattr(p, "fsdp_pre_all_gather") and not hasattr(p, "fsdp_shard")
-        fsdp_params.append(FSDPParam(data, infos, mesh, device, mp_policy.param_dtype,
-                                     mp_policy.reduce_dtype or mp_policy.param_dtype, offload,
-                                     getattr(offload_policy, "pin_memory", False),
-                                     master_dtype=main_params_dtype(mp_policy, p.dtype, trainable),
-                                     main_grads_dtype=mp_policy.main_grads_dtype))
+        fsdp_params.append(FSDPParam(data, infos, mesh, device, param_dtypes(mp_policy, p.dtype, trainable),
+                                     offload, getattr(offload_policy, "pin_memory", False)))
         _CLAIMED[p] = type(modules[0]).__name__
     for fsdp_param in fsdp_params:
         fsdp_param.to_sharded()

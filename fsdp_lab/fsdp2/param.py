@@ -24,11 +24,12 @@ collectives of many parameters and ``fully_shard.py`` decides *when* each step r
    size for the group's reduce-scatter; this rank's reduced rows become (or are added to)
    the DTensor's ``.grad``.
 
-Mixed precision (``fsdp_lab.precision``; table in docs/precision.md): the shard is stored in
-the master dtype (``main_params_dtype``), gathered in the compute dtype (``param_dtype``);
-gradients set aside without sync accumulate in ``main_grads_dtype``; reduced shards arrive in
-the wire dtype and are added to the sharded gradient in ``main_grads_dtype`` (kept in a
-private buffer when that differs from the master dtype, ``.grad`` being its cast).
+Mixed precision: ``self.dtypes`` (``fsdp_lab.precision.param_dtypes``, decided once; table in
+docs/precision.md) names four roles. The shard is stored in the **master** dtype and gathered
+in the **compute** dtype; gradients travel in the **wire** dtype; reduced shards are added to
+the sharded gradient in the **accumulation** dtype (kept in a private buffer when that differs
+from the master dtype, ``.grad`` being its cast), and gradients set aside without sync in the
+unsharded accumulation dtype.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_lab.memory.tags import tag
-from fsdp_lab.precision import accumulation_dtype
+from fsdp_lab.precision import ParamDtypes
 
 __all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy", "padded_rows"]
 
@@ -94,15 +95,13 @@ class FSDPParam:
 
     ``module_infos``: every (module, attribute name) through which the parameter is reached
     (more than one for tied weights). ``device``: where compute runs; ``offload`` keeps the
-    shard (and its gradient) on CPU instead. ``master_dtype``: dtype of the stored shard (the
-    master weights; default the parameter's own); ``main_grads_dtype``: accumulation dtype
-    (None: PyTorch's choice). Raises ValueError for a 0-dim parameter.
+    shard (and its gradient) on CPU instead. ``dtypes``: its compute, master, wire and
+    accumulation dtypes (``fsdp_lab.precision.param_dtypes``; default: the parameter's own for
+    all). Raises ValueError for a 0-dim parameter.
     """
 
     def __init__(self, param: nn.Parameter, module_infos: list[tuple[nn.Module, str]], mesh, device: torch.device,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, offload: bool = False,
-                 pin_memory: bool = False, master_dtype: torch.dtype | None = None,
-                 main_grads_dtype: torch.dtype | None = None):
+                 dtypes: ParamDtypes | None = None, offload: bool = False, pin_memory: bool = False):
         if param.dim() == 0:
             raise ValueError(f"cannot shard the 0-dim parameter {module_infos[0][1]!r} on dim 0; "
                              "give it shape (1,) or keep it out of fully_shard")
@@ -114,12 +113,8 @@ class FSDPParam:
         self.rank, self.world_size = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
         self.orig_size, self.orig_dtype = param.shape, param.dtype
         self.requires_grad = param.requires_grad
-        self.master_dtype = master_dtype or param.dtype  # dtype of the shard the optimizer updates
-        self.compute_dtype = param_dtype or param.dtype
-        self.param_dtype = self.compute_dtype if self.compute_dtype != self.master_dtype else None
-        self.reduce_dtype = reduce_dtype
-        self.main_grads_dtype = main_grads_dtype
-        # (local_rows, *orig_size[1:]) accumulation dtype; only when that is not master_dtype
+        self.dtypes = dtypes or ParamDtypes(*(param.dtype,) * 5)
+        # (local_rows, *orig_size[1:]) in dtypes.accumulation; only when that is not dtypes.master
         self._sharded_main_grad: torch.Tensor | None = None
         self._exposed_grad: tuple[torch.Tensor, int] | None = None  # (the .grad it was cast to, its version)
         self.offload, self.pin_memory = offload, pin_memory and torch.cuda.is_available()
@@ -147,7 +142,7 @@ class FSDPParam:
             local = data.fsdp_shard(self.rank, self.world_size).to(storage_device)
             self._sharded_data = None
         else:
-            padded = torch.zeros(self.padded_sharded_size, dtype=self.master_dtype, device=storage_device)
+            padded = torch.zeros(self.padded_sharded_size, dtype=self.dtypes.master, device=storage_device)
             start = self.rank * self.padded_rows
             padded[: self.local_rows].copy_(data[start:start + self.local_rows])
             if self.pin_memory and storage_device.type == "cpu":
@@ -159,7 +154,7 @@ class FSDPParam:
         self.is_extension = hasattr(local, "fsdp_pre_all_gather")
         placements = (Replicate(),) * (self.mesh.ndim - 1) + (Shard(0),)
         self._spec = DTensorSpec(self.mesh, placements, tensor_meta=TensorMeta(
-            self.orig_size, _contiguous_stride(self.orig_size), self.master_dtype))
+            self.orig_size, _contiguous_stride(self.orig_size), self.dtypes.master))
         self.sharded_param = nn.Parameter(self._to_dtensor(local), requires_grad=self.requires_grad)
 
     def reset_sharded_param(self) -> None:
@@ -176,7 +171,7 @@ class FSDPParam:
         if self.is_extension:
             data = local
         else:
-            data = torch.zeros(self.padded_sharded_size, dtype=self.master_dtype, device=local.device)
+            data = torch.zeros(self.padded_sharded_size, dtype=self.dtypes.master, device=local.device)
             if not local.is_meta:
                 tag(data, "sharded_params")
                 data[: self.local_rows].copy_(local.detach().reshape(self.local_rows, *self.orig_size[1:]))
@@ -205,7 +200,10 @@ class FSDPParam:
         if self.is_extension:
             module = self.module_infos[0][0]
             from fsdp_lab.precision import MixedPrecisionPolicy
-            policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+            # as PyTorch passes it: param_dtype None when the parameter already has it
+            compute = self.dtypes.compute
+            policy = MixedPrecisionPolicy(param_dtype=compute if compute != self.orig_dtype else None,
+                                          reduce_dtype=self.dtypes.wire)
             local = self.sharded_local_tensor
             if self.offload:
                 local = local.to(self.device, non_blocking=True)
@@ -215,7 +213,7 @@ class FSDPParam:
         data = self._sharded_data
         if self.offload:
             data = data.to(self.device, non_blocking=True)
-        return [data], [self.compute_dtype]
+        return [data], [self.dtypes.compute]
 
     # -- 3. unshard -----------------------------------------------------------------------
     def alloc_all_gather_outputs(self, inputs: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
@@ -236,7 +234,7 @@ class FSDPParam:
                         for out, size in zip(self.all_gather_outputs, input_sizes))
         if self.is_extension:
             local = self.sharded_local_tensor
-            dtype = self.param_dtype or self.orig_dtype
+            dtype = self.dtypes.compute
             if self._unsharded_param is not None:
                 for inner in self._unsharded_inner_tensors:
                     _alloc_storage(inner)
@@ -296,7 +294,7 @@ class FSDPParam:
         if self._unsharded_param is None or self._unsharded_param.grad is None:
             return
         grad, self._unsharded_param.grad = self._unsharded_param.grad, None
-        dtype = accumulation_dtype(self.main_grads_dtype, grad.dtype, self.reduce_dtype or grad.dtype)
+        dtype = self.dtypes.unsharded_accumulation
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = tag(grad.to(dtype, copy=grad.dtype != dtype), "unsharded_grads")
         else:
@@ -314,11 +312,10 @@ class FSDPParam:
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
         """Make this rank's reduced rows (a flat slice of the padded shard) the DTensor's grad, or add them to it."""
         local = reduced_shard.view(self.padded_sharded_size).narrow(0, 0, self.local_rows)
-        acc_dtype = accumulation_dtype(self.main_grads_dtype, self.compute_dtype, self.master_dtype)
-        if acc_dtype != self.master_dtype:
-            self._accumulate_main_grad(local, acc_dtype)
+        if self.dtypes.accumulation != self.dtypes.master:
+            self._accumulate_main_grad(local, self.dtypes.accumulation)
             return
-        local = local.to(self.master_dtype)
+        local = local.to(self.dtypes.master)
         if self.offload:
             local = local.to("cpu", non_blocking=True)
         tag(local, "sharded_grads")
@@ -344,6 +341,6 @@ class FSDPParam:
         local = local.to("cpu" if self.offload else local.device)
         acc = tag(local.to(acc_dtype, copy=True), "sharded_grads") if acc is None else acc.add_(local.to(acc_dtype))
         self._sharded_main_grad = acc
-        out = tag(acc.to(self.master_dtype), "sharded_grads")
+        out = tag(acc.to(self.dtypes.master), "sharded_grads")
         self.sharded_param.grad = self._to_dtensor(out)
         self._exposed_grad = (out, out._version)

@@ -29,7 +29,6 @@ import torch.nn as nn
 from fsdp_lab import collectives, sync_points
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.memory.tags import tag
-from fsdp_lab.precision import accumulation_dtype
 from fsdp_lab.states import ShardedState, assert_in_states
 
 __all__ = ["FSDPParamGroup", "set_synchronous"]
@@ -94,7 +93,7 @@ class FSDPParamGroup:
     """
 
     def __init__(self, fsdp_params: list[FSDPParam], modules: list[nn.Module], mesh, device: torch.device,
-                 reshard_after_forward: bool, wire_dtype: torch.dtype | None, name: str = ""):
+                 reshard_after_forward: bool, name: str = ""):
         self.fsdp_params = fsdp_params
         # HSDP: gather and reduce-scatter within the shard group (the mesh's last dim), then
         # all-reduce the reduced shard across the replicas (its first dim)
@@ -104,7 +103,6 @@ class FSDPParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.wire_dtype = wire_dtype  # gradients travel in it (None: each one's compute dtype)
         self.name = name
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: _AllGather | None = None  # in flight while GATHERING
@@ -207,7 +205,7 @@ class FSDPParamGroup:
                 grads.append(fsdp_param.padded_unsharded_grad(grad))
         if not params:
             return None
-        wire_dtype = self.wire_dtype or params[0].compute_dtype
+        wire_dtype = params[0].dtypes.wire  # one policy per group: the same for every parameter
         collectives.ensure_reducible(wire_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
         split_numels = [g.numel() // self.world_size for g in grads]
         flat_input = tag(torch.empty(sum(split_numels) * self.world_size, dtype=wire_dtype, device=self.device),
@@ -218,8 +216,7 @@ class FSDPParamGroup:
         del grads
         # the output becomes the sharded grads, unless they accumulate in another dtype: then it
         # is a temporary comm buffer, freed once its rows have been added (``_ReduceScatter.wait``)
-        temporary = any(accumulation_dtype(p.main_grads_dtype, p.compute_dtype, p.master_dtype) != wire_dtype
-                        or p.master_dtype != wire_dtype for p in params)
+        temporary = any(p.dtypes.accumulation != wire_dtype or p.dtypes.master != wire_dtype for p in params)
         output = tag(torch.empty(sum(split_numels), dtype=wire_dtype, device=self.device),
                      "comm_buffers" if temporary else "sharded_grads")
         op = "avg" if self.world_size > 1 else "sum"
