@@ -108,7 +108,9 @@ SOAK_COLUMNS = ("run", "passed", "failed", "errors", "skipped", "seconds", "load
 def soak_lines(data: dict) -> list[str]:
     """A soak result: the runs that passed out of all, then one table row per run (the failing
     test ids, if any, in the last column)."""
-    lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**: `{data['command']}`, "
+    planned = data.get("runs_planned", data["runs_total"])
+    stopped = f" (stopped after {data['runs_total']} of {planned} planned runs)" if planned > data["runs_total"] else ""
+    lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**{stopped}: `{data['command']}`, "
              f"{data['busy_loops']} busy-loop processes loading the CPU.", "",
              "| " + " | ".join(SOAK_COLUMNS) + " | failing tests |",
              "|" + "---|" * (len(SOAK_COLUMNS) + 1)]

@@ -11,8 +11,9 @@ Every output nbval compares must be the same on a quiet or a busy machine. This 
 ``python -m pytest --nbval -q PATHS`` ``--runs`` times in a row, prints each run's passes and
 failures (by test id) and a summary line, and stops the busy loops and any pytest still
 running at the end, also on Ctrl-C or SIGTERM. Exit status 0 when every run passed, 1 otherwise.
-``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere), which
-``benchmarks/report.py`` lays out in docs/benchmarks.md.
+``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere) after every
+run, so a soak stopped early keeps the runs it finished; ``benchmarks/report.py`` lays it out in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
             verdict = "PASS" if run_passed(run) else "FAIL"
             print(f"run {i + 1}/{args.runs}: {verdict}: {describe(run)}", flush=True)
+            if args.record:  # after every run: a soak stopped early keeps what it measured
+                _record(args, runs, sum(run_passed(r) for r in runs))
     except KeyboardInterrupt:
         print(f"\ninterrupted after {len(runs)} run(s); busy loops stopped", flush=True)
         return 130
@@ -159,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     passed = sum(run_passed(r) for r in runs)
     print(f"soak summary: {passed} of {len(runs)} runs passed "
           f"(pytest --nbval {' '.join(args.paths)}, {args.busy} busy loops)")
-    if args.record:
-        _record(args, runs, passed)
     return 0 if passed == len(runs) else 1
 
 
@@ -175,7 +176,8 @@ def _record(args, runs: list[dict], passed: int) -> None:
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "device": device, "command": f"python -m pytest --nbval {' '.join(args.paths)}",
-        "busy_loops": args.busy, "runs_passed": passed, "runs_total": len(runs), "runs": runs,
+        "busy_loops": args.busy, "runs_passed": passed, "runs_total": len(runs), "runs_planned": args.runs,
+        "runs": runs,
     }, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -52,3 +52,13 @@ def test_soak_section_says_how_many_runs_passed_and_lists_each_run(tmp_path):
     assert "| 1 | 698 | 0 | 0 | 2 | 410 | 3.9 | none |" in text
     assert "| 2 | 697 | 1 | 0 | 2 | 415.5 | 4.2 | `labs/08.ipynb::Cell 10` |" in text
     assert "Run: `python benchmarks/soak_labs.py`" in text
+
+
+def test_soak_stopped_early_says_how_many_runs_were_planned(tmp_path):
+    result = tmp_path / "soak_labs_cpu.json"
+    run = {"run": 1, "passed": 378, "failed": 0, "errors": 0, "skipped": 0, "seconds": 800.0,
+           "load_average_1min": 2.0, "exit_code": 0, "failures": []}
+    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
+                                  "busy_loops": 2, "runs_passed": 1, "runs_total": 1, "runs_planned": 5,
+                                  "runs": [run]}))
+    assert "**1 of 1 runs passed** (stopped after 1 of 5 planned runs)" in report.section(result)
