@@ -172,7 +172,8 @@ CELLS = [
         rs = [e for e in tl.comm_events(rank, "reduce_scatter") if e.args.get("module") == "layers.0"][0]
         local = weight.to_local()
         seen["master"] = (weight.dtype, local.numel() * local.element_size())
-        seen["compute"] = (fsdp_param.compute_dtype, weight.numel() * torch.finfo(fsdp_param.compute_dtype).bits // 8)
+        compute = fsdp_param.dtypes.compute                     # the dtypes precision.param_dtypes decided
+        seen["compute"] = (compute, weight.numel() * torch.finfo(compute).bits // 8)
         wire = getattr(torch, rs.args["dtype"])  # this weight's padded rows inside the group's reduce-scatter input
         seen["communicated"] = (wire, world * fsdp_param.padded_sharded_size.numel() * torch.finfo(wire).bits // 8)
         seen["reduced"] = (weight.grad.dtype, local.numel() * weight.grad.element_size())
