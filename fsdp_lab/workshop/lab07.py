@@ -133,16 +133,6 @@ def check_collectives_per_step(collectives_per_step, table):
                    + "; ".join(lines) + "): they follow from the wrapping alone")
 
 
-def _union(intervals):
-    merged = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return merged
-
-
 @checker("overlap_fraction", hint="merge the comm intervals and the compute intervals into unions; sum the "
                                   "lengths of their intersections; divide by the comm union's length (0.0 if none)")
 def check_overlap_fraction(overlap_fraction, table):
