@@ -7,7 +7,10 @@ Works on an unsharded model (one process, or after gathering the full parameters
 
 * ``plain_state_dict(model)``: the model's state dict with every NF4 weight dequantized to
   its nominal dtype, which safetensors can store.
-* ``save_pretrained(model, directory)``: ``model.save_pretrained`` with that state dict.
+* ``save_pretrained(model, directory)``: ``model.save_pretrained`` with that state dict;
+  with ``nf4="packed"`` the NF4 weights are written as their own bytes instead (codes and
+  scales as plain uint8/int8/float32 tensors, the QLoRA settings in ``qlora_config.json``),
+  and ``from_pretrained(directory)`` rebuilds the QLoRA model from them bit for bit.
 * ``export_peft_adapters(model, directory)``: ``adapter_config.json`` +
   ``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained`` loads onto the plain
   base model (keys ``base_model.model.<module>.lora_A.weight``, PEFT's own layout).
@@ -20,16 +23,20 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from fsdp_lab.qlora.lora import LoRALinear
-from fsdp_lab.qlora.nf4_tensor import is_nf4_shard, plain_tensor
+from fsdp_lab.qlora.lora import LoRALinear, apply_lora
+from fsdp_lab.qlora.nf4_tensor import INNER_TENSORS, NF4Tensor, is_nf4_shard, plain_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+QLORA_CONFIG = "qlora_config.json"
+# an NF4 weight ``k`` is written as ``k`` (its packed codes) and ``k.nf4_<inner>`` for the rest
+_NF4_SUFFIX = ".nf4_"
 
 
 def _check_unsharded(model: nn.Module, what: str) -> None:
@@ -54,25 +61,140 @@ def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: plain_tensor(v) for k, v in model.state_dict().items()}
 
 
-def save_pretrained(model: nn.Module, directory: str | os.PathLike, adapters: bool = True, **kwargs: Any) -> None:
-    """``model.save_pretrained(directory, state_dict=plain_state_dict(model), **kwargs)``.
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, adapters: bool = True,
+                    nf4: str = "dequantize", **kwargs: Any) -> None:
+    """``model.save_pretrained(directory, state_dict=..., **kwargs)`` for a QLoRA model.
 
-    ``adapters=False`` leaves the LoRA weights out: the files then hold exactly the plain
-    model's keys, for ``from_pretrained`` + ``peft.PeftModel.from_pretrained``.
+    ``nf4="dequantize"`` (default): each NF4 base weight is written dequantized to its
+    nominal dtype, so the files hold exactly the plain model's keys (``adapters=False``
+    leaves the LoRA weights out) for transformers' ``from_pretrained`` +
+    ``peft.PeftModel.from_pretrained``; adapters, if kept, are under their own keys
+    (``...q_proj.lora_a``).
 
-    For a Hugging Face model whose linear layers were quantized by ``apply_lora``: the NF4
-    base weights are written dequantized (safetensors stores plain dtypes only). Adapters,
-    if any, are written under their own keys (``...q_proj.lora_a``); to load into a plain
-    model, ``merge_lora`` first or export them with ``export_peft_adapters``.
-    Raises TypeError when ``model`` has no ``save_pretrained`` (not a transformers model).
+    ``nf4="packed"``: each NF4 weight ``k`` is written as its own bytes, ``k`` holding the
+    packed 4-bit codes (uint8) and ``k.nf4_scales`` / ``k.nf4_scale_factors`` /
+    ``k.nf4_scale_mean`` the rest, about a quarter of the bf16 size; ``qlora_config.json``
+    records the LoRA and NF4 settings. Only ``fsdp_lab.hf.from_pretrained`` reads this back
+    (transformers' own loader refuses the codes' shape). Adapters are always kept.
+
+    Raises TypeError when ``model`` has no ``save_pretrained`` (not a transformers model),
+    ValueError for a sharded model, an unknown ``nf4``, ``nf4="packed"`` with
+    ``adapters=False``, or (packed) a model whose adapters differ in rank, alpha or NF4 settings.
     """
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"save_pretrained needs a transformers PreTrainedModel, got {type(model).__name__}")
+    if nf4 not in ("dequantize", "packed"):
+        raise ValueError(f"nf4 must be 'dequantize' or 'packed', got {nf4!r}")
+    if nf4 == "packed":
+        if not adapters:
+            raise ValueError("nf4='packed' writes a QLoRA model whole, adapters included; for the base "
+                             "weights alone use nf4='dequantize', adapters=False")
+        state, settings = _packed_state_dict(model)
+        model.save_pretrained(directory, state_dict=state, **kwargs)
+        with open(os.path.join(directory, QLORA_CONFIG), "w") as f:
+            json.dump(settings, f, indent=2)
+        return
     state = plain_state_dict(model)
     if not adapters:
         lora = {f"{name}.{p}" for name in lora_modules(model) for p in ("lora_a", "lora_b")}
         state = {k: v for k, v in state.items() if k not in lora}
     model.save_pretrained(directory, state_dict=state, **kwargs)
+
+
+def _packed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state dict with each NF4 weight split into plain tensors, and the QLoRA settings."""
+    _check_unsharded(model, "save_pretrained(nf4='packed')")
+    settings = peft_adapter_config(model)
+    nf4_settings = set()
+    state = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, NF4Tensor):
+            state[key] = value
+            continue
+        layout = value.nf4_layout
+        nf4_settings.add((layout.block_size, layout.scaler_block_size, layout.double_quant))
+        state[key] = value.packed
+        for inner in INNER_TENSORS[1:]:
+            state[f"{key}{_NF4_SUFFIX}{inner}"] = getattr(value, inner)
+    if len(nf4_settings) > 1:
+        raise ValueError(f"nf4='packed' needs one NF4 setting for all weights, found "
+                         f"(block_size, scaler_block_size, double_quant) = {sorted(nf4_settings)}")
+    quantized = bool(nf4_settings)
+    block_size, scaler_block_size, double_quant = nf4_settings.pop() if quantized else (64, 256, True)
+    qlora = {"target_modules": settings["target_modules"], "rank": settings["r"],
+             "alpha": settings["lora_alpha"], "dropout": settings["lora_dropout"],
+             "quantize_base": quantized, "block_size": block_size,
+             "scaler_block_size": scaler_block_size, "double_quant": double_quant}
+    return state, qlora
+
+
+def from_pretrained(directory: str | os.PathLike, model_class: Any = None, **kwargs: Any) -> nn.Module:
+    """Load a QLoRA model written by ``save_pretrained(model, directory, nf4="packed")``.
+
+    Builds the model from ``directory``'s config (``model_class``, default
+    ``transformers.AutoModelForCausalLM``; ``kwargs`` go to its ``from_config``, e.g.
+    ``attn_implementation``), adds the adapters with the saved settings, and copies every
+    tensor in: NF4 weights, adapters and the rest come back bit for bit. The float model is
+    built once before quantization, so it must fit in CPU memory.
+    Raises FileNotFoundError when ``directory`` has no ``qlora_config.json`` (not written with
+    ``nf4="packed"``: use transformers' ``from_pretrained``), ValueError when the files and
+    the model built from the config disagree (the message names the keys).
+    """
+    import transformers
+    from safetensors.torch import load_file
+
+    directory = pathlib.Path(directory)
+    settings_file = directory / QLORA_CONFIG
+    if not settings_file.exists():
+        raise FileNotFoundError(
+            f"{settings_file} not found: {directory} was not written by fsdp_lab.hf.save_pretrained(..., "
+            f"nf4='packed'); load it with transformers' from_pretrained (and peft for adapters)")
+    settings = json.loads(settings_file.read_text())
+    config = transformers.AutoConfig.from_pretrained(directory)
+    model = (model_class or transformers.AutoModelForCausalLM).from_config(config, **kwargs)
+    apply_lora(model, settings["target_modules"], rank=settings["rank"], alpha=settings["alpha"],
+               dropout=settings["dropout"], quantize_base=settings["quantize_base"],
+               block_size=settings["block_size"], double_quant=settings["double_quant"])
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors file in {directory}")
+    saved: dict[str, torch.Tensor] = {}
+    for file in files:
+        saved.update(load_file(file))
+    state = _rebuild_nf4_weights(model, saved)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = _tied_keys(model, set(state))
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(f"{directory} does not match the model built from its config: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    return model.eval()
+
+
+def _rebuild_nf4_weights(model: nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``saved`` with each NF4 weight's pieces joined into an NF4Tensor shaped as the model's."""
+    state = {k: v for k, v in saved.items() if _NF4_SUFFIX not in k}
+    for key, current in model.state_dict().items():
+        if not isinstance(current, NF4Tensor):
+            continue
+        pieces = [f"{key}{_NF4_SUFFIX}{inner}" for inner in INNER_TENSORS[1:]]
+        absent = [p for p in [key, *pieces] if p not in saved]
+        if absent:
+            raise ValueError(f"NF4 weight {key} is incomplete in the checkpoint: {absent} missing")
+        packed = saved[key]
+        if packed.dtype != current.packed.dtype or packed.shape != current.packed.shape:
+            raise ValueError(f"{key}: the checkpoint holds {tuple(packed.shape)} {packed.dtype} codes, the model "
+                             f"built from the config expects {tuple(current.packed.shape)} {current.packed.dtype}")
+        state[key] = NF4Tensor(packed, *(saved[p] for p in pieces), current.nf4_layout)
+    return state
+
+
+def _tied_keys(model: nn.Module, loaded: set[str]) -> set[str]:
+    """Keys of parameters that are the same object as a loaded key's (tied embeddings)."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return {n for names in by_id.values() if any(k in loaded for k in names) for n in names}
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -153,5 +275,5 @@ def export_peft_adapters(model: nn.Module, directory: str | os.PathLike,
     save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-__all__ = ["plain_state_dict", "save_pretrained", "lora_modules", "peft_adapter_state_dict",
+__all__ = ["plain_state_dict", "save_pretrained", "from_pretrained", "lora_modules", "peft_adapter_state_dict",
            "peft_adapter_config", "export_peft_adapters"]

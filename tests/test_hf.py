@@ -22,6 +22,7 @@ import fsdp_lab  # noqa: E402
 from fsdp_lab import hf  # noqa: E402
 from fsdp_lab.precision import MixedPrecisionPolicy, cast_floating  # noqa: E402
 from fsdp_lab.qlora import apply_lora, merge_lora  # noqa: E402
+from fsdp_lab.qlora.nf4_tensor import INNER_TENSORS, NF4Tensor  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 3, 4, 8, 128
 LR = 1e-2
@@ -29,11 +30,11 @@ FAMILIES = ("llama", "qwen2")
 HF_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, tie_word_embeddings: bool = False):
     """A 2-layer, hidden-64 causal LM of ``family`` with seeded random weights (float32, eager attention)."""
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=tie_word_embeddings)
     if family == "llama":
         config = transformers.LlamaConfig(**common)
         cls = transformers.LlamaForCausalLM
@@ -261,3 +262,50 @@ def test_plain_save_pretrained_of_nf4_weights_names_the_way_to_save(tmp_path):
         model.save_pretrained(tmp_path / "plain")
     hf.save_pretrained(model, tmp_path / "ours")  # the documented way still works
     assert (tmp_path / "ours" / "model.safetensors").exists()
+
+
+def _same_tensor(a, b) -> bool:
+    if isinstance(a, NF4Tensor) or isinstance(b, NF4Tensor):
+        return (type(a) is type(b) and a.nf4_layout == b.nf4_layout
+                and all(torch.equal(getattr(a, n), getattr(b, n)) for n in INNER_TENSORS))
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen2", True)])
+def test_packed_nf4_save_pretrained_round_trips_bit_exactly(tmp_path, family, tied):
+    model = qlora(tiny_model(family, tie_word_embeddings=tied))
+    ids = batch(2)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    hf.save_pretrained(model, tmp_path, nf4="packed")
+    # a quarter of the float32 base: the file holds codes, not dequantized floats
+    float_bytes = sum(m.weight.numel() * 4 for m in hf.lora_modules(model).values())
+    codes_bytes = sum(m.weight.packed.numel() for m in hf.lora_modules(model).values())
+    assert codes_bytes * 8 == float_bytes
+
+    loaded = hf.from_pretrained(tmp_path, attn_implementation="eager")
+    assert type(loaded) is type(model)
+    saved, back = model.state_dict(), loaded.state_dict()
+    assert saved.keys() == back.keys()
+    assert [k for k in saved if not _same_tensor(saved[k], back[k])] == []
+    assert isinstance(loaded.get_submodule("model.layers.0.mlp.down_proj").weight, NF4Tensor)
+    if tied:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    with torch.no_grad():
+        after = loaded(input_ids=ids).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+    # transformers' own loader sees codes where floats belong and refuses, loudly
+    with pytest.raises(RuntimeError, match="mismatched_sizes"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_packed_nf4_refusals_say_what_to_do(tmp_path):
+    model = qlora(tiny_model("llama"))
+    with pytest.raises(ValueError, match="adapters included"):
+        hf.save_pretrained(model, tmp_path / "a", nf4="packed", adapters=False)
+    with pytest.raises(ValueError, match="'dequantize' or 'packed'"):
+        hf.save_pretrained(model, tmp_path / "a", nf4="int4")
+    hf.save_pretrained(model, tmp_path / "plain")
+    with pytest.raises(FileNotFoundError, match="transformers' from_pretrained"):
+        hf.from_pretrained(tmp_path / "plain")

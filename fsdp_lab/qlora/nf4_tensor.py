@@ -276,7 +276,9 @@ class NF4Tensor(torch.Tensor):
 _NO_FLOAT_DATA = (
     "an NF4Tensor has no float data to point at (it stores 4-bit codes and their scales), so "
     "safetensors and a plain model.save_pretrained cannot write it. For a QLoRA model use "
-    "fsdp_lab.hf.save_pretrained(model, directory) (base weights written dequantized) or "
+    "fsdp_lab.hf.save_pretrained(model, directory) (base weights written dequantized), "
+    "fsdp_lab.hf.save_pretrained(model, directory, nf4='packed') (the NF4 bytes, read back by "
+    "fsdp_lab.hf.from_pretrained) or "
     "fsdp_lab.hf.export_peft_adapters(model, directory) (the adapters alone, PEFT's format); "
     "fsdp_lab.qlora.merge_lora(model) gives plain weights first; torch.save(model.state_dict()) "
     "keeps the NF4 bytes."
