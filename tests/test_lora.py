@@ -277,6 +277,7 @@ def torch_fsdp2_results():
 
 def test_qlora_under_torch_fsdp2_matches_single_process(torch_fsdp2_results):
     reference = _fsdp_model()
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for step in range(FSDP_STEPS):
@@ -292,6 +293,13 @@ def test_qlora_under_torch_fsdp2_matches_single_process(torch_fsdp2_results):
         assert set(per_rank["lora"]) == {"0.lora_a", "0.lora_b", "2.lora_a", "2.lora_b"}
         for name, param in reference.named_parameters():
             if param.requires_grad:
-                assert torch.allclose(per_rank["lora"][name], param.detach(), atol=1e-5), name
+                # Two half-batch gradients averaged differ from the full batch's in the last bits,
+                # and Adam divides by sqrt(v): where a gradient is near zero those bits can move an
+                # element by a sizeable part of lr (4.5e-5 seen on one CPU, 1e-6 on another). So
+                # compare the whole tensor against the distance training moved it (about 1 here);
+                # a rank stepping on its own half-batch gradient is off by about that distance.
+                error = (per_rank["lora"][name] - param.detach()).norm()
+                travelled = (param.detach() - initial[name]).norm()
+                assert error <= 1e-3 * travelled, (name, error.item(), travelled.item())
     rank_means = [sum(r["losses"][s] for r in torch_fsdp2_results) / 2 for s in range(FSDP_STEPS)]
     assert rank_means == pytest.approx(losses, abs=1e-5)
