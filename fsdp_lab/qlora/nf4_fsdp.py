@@ -233,8 +233,9 @@ def _refuse(what: str, weight: NF4Tensor):
             "weights by quantization blocks, not rows. For the whole weight call "
             "fsdp_lab.fsdp2.full_tensor(param) on every rank, or get_full_state_dict(model); "
             "load_full_state_dict(model, state) loads one back on any world size. (A "
-            "torch.distributed.checkpoint of NF4 shards loads on another world size only where every "
-            "shard's rows hold whole quantization blocks; otherwise only on the world size that saved it.)"
+            "torch.distributed.checkpoint of model.state_dict() reshards NF4 shards only where every "
+            "shard's rows hold whole quantization blocks; one of fsdp_lab.fsdp2.dcp_state_dict(model) "
+            "loads at any world size.)"
         )
     unit = lo.block_size * (lo.scaler_block_size if lo.double_quant else 1)
     raise NotImplementedError(
@@ -352,3 +353,69 @@ TORCH_FSDP2_OPS = {
     torch.ops.aten.view.default: _view,
     torch.ops.aten.as_strided.default: _as_strided,
 }
+
+
+# -- torch.distributed.checkpoint at any world size -----------------------------------------
+# A shard's blocks are blocks [r * blocks_per_rank, ...) of the weight: exactly the rows rank r
+# holds of a (n_blocks, block_size / 2) table of packed codes split as DTensor's Shard(0) splits
+# (torch.chunk), and of the (n_blocks,) scales. As DTensors of those shapes, DCP reshards them
+# by whole blocks for any world size, whatever the weight's rows. Double-quant factors (groups
+# can straddle ranks) and the mean are small: they travel whole, gathered once.
+def dcp_state(weight: NF4Tensor, mesh, placements, gather) -> dict[str, torch.Tensor]:
+    """The shard's parts for ``torch.distributed.checkpoint``, by inner-tensor name.
+
+    ``packed`` (n_blocks x block_size/2 uint8) and ``scales`` (n_blocks) are DTensors on
+    ``mesh`` with ``placements`` (the parameter's, Shard(0) on the last mesh dimension) whose
+    locals view this shard's bytes, so ``dcp.load`` writes into the shard; ``scale_factors``
+    and ``scale_mean`` are whole plain tensors. ``gather(t)`` must return the concatenation of
+    every shard rank's equal-sized 1-D ``t`` in rank order (it is called once, with double
+    quantization only). Raises ValueError on a whole (unsharded) weight.
+    """
+    from torch.distributed.tensor import DTensor
+
+    lo = weight.nf4_layout
+    if not lo.is_shard:
+        raise ValueError(f"{weight!r} is not a shard; a whole weight saves as it is")
+    plan = plan_shards(math.prod(lo.full_shape), lo.block_size, lo.scaler_block_size, lo.double_quant,
+                       lo.world_size)
+    held = max(0, min(plan.blocks_per_rank, plan.n_blocks - lo.first_block))
+    half = lo.block_size // 2
+    rows = weight.packed.view(plan.blocks_per_rank, half)[:held]
+    parts = {
+        "packed": DTensor.from_local(rows, mesh, placements, run_check=False,
+                                     shape=(plan.n_blocks, half), stride=(half, 1)),
+        "scales": DTensor.from_local(weight.scales[:held], mesh, placements, run_check=False,
+                                     shape=(plan.n_blocks,), stride=(1,)),
+    }
+    if lo.double_quant:
+        slots = gather(weight.scale_factors.contiguous()).view(lo.world_size, plan.groups_per_rank)
+        n_groups = math.ceil(plan.n_blocks / lo.scaler_block_size)
+        factors = weight.scale_factors.new_empty(n_groups)
+        for group in range(n_groups):  # read from the rank holding the group's first block
+            owner = group * lo.scaler_block_size // plan.blocks_per_rank
+            factors[group] = slots[owner, group - plan.first_block(owner) // lo.scaler_block_size]
+        parts["scale_factors"] = factors
+        parts["scale_mean"] = weight.scale_mean.clone()
+    return parts
+
+
+@torch.no_grad()
+def load_dcp_state(weight: NF4Tensor, parts: dict[str, torch.Tensor]) -> None:
+    """Copy parts that ``dcp.load`` filled (built by ``dcp_state`` on this shard) into it.
+
+    The block tables are this shard's bytes already (copying them again is harmless); the
+    factors of the groups this shard's blocks touch are taken from the whole list. Raises
+    KeyError for a missing part.
+    """
+    lo = weight.nf4_layout
+    for name in ("packed", "scales"):
+        local = parts[name].to_local()
+        target = weight.packed.view(-1, lo.block_size // 2) if name == "packed" else weight.scales
+        if local.data_ptr() != target.data_ptr():
+            target[:local.shape[0]].copy_(local)
+    if lo.double_quant:
+        factors = parts["scale_factors"]
+        first = lo.first_block // lo.scaler_block_size
+        count = max(0, min(weight.scale_factors.numel(), factors.numel() - first))
+        weight.scale_factors[:count].copy_(factors[first:first + count])
+        weight.scale_mean.copy_(parts["scale_mean"])

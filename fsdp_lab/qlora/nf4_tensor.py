@@ -268,6 +268,14 @@ class NF4Tensor(torch.Tensor):
         """``(tensors to all-gather, metadata)``: packed codes and scale data, no floats of the weight."""
         return nf4_fsdp.pre_all_gather(self, mesh)
 
+    def fsdp_dcp_state(self, mesh, placements, gather) -> dict:
+        """This shard's parts for ``torch.distributed.checkpoint``, reshardable to any world size."""
+        return nf4_fsdp.dcp_state(self, mesh, placements, gather)
+
+    def fsdp_load_dcp_state(self, parts: dict) -> None:
+        """Take this shard's blocks and factors from parts that ``dcp.load`` filled."""
+        nf4_fsdp.load_dcp_state(self, parts)
+
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """``(unsharded NF4Tensor, inner tensors)`` from the gathered bytes, or fill ``out``."""
         return nf4_fsdp.post_all_gather(all_gather_outputs, metadata, param_dtype, out=out, cls=type(self))
@@ -395,6 +403,12 @@ def _copy_(dst: NF4Tensor, src, non_blocking=False) -> NF4Tensor:
         position = {k: getattr(src.nf4_layout, k) for k in ("first_block", "rank", "numel")}
         target = dataclasses.replace(target, **position)
     if target != src.nf4_layout or any(getattr(dst, n).shape != getattr(src, n).shape for n in INNER_TENSORS):
+        if dst.is_shard and src.is_shard and src.nf4_layout.world_size != lo.world_size:
+            raise ValueError(
+                f"{dst!r} cannot take {src!r}: a shard saved on {src.nf4_layout.world_size} ranks, whose blocks "
+                f"do not line up with rows. Checkpoint with fsdp_lab.fsdp2.dcp_state_dict(model) (and load with "
+                f"load_dcp_state_dict), which loads at any world size, or with get_full_state_dict(model)"
+            )
         raise ValueError(
             f"copy_ between NF4Tensors needs the same shape, block sizes and double_quant: "
             f"{dst!r} <- {src!r}; re-quantize with to_nf4(src.dequantize(), ...) instead"
