@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.qlora.lora import LoRALinear, apply_lora
-from fsdp_lab.qlora.nf4_tensor import INNER_TENSORS, NF4Tensor, is_nf4_shard, plain_tensor
+from fsdp_lab.qlora.nf4_tensor import is_nf4_shard, nf4_from_parts, nf4_parts, plain_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -108,14 +108,14 @@ def _packed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
     nf4_settings = set()
     state = {}
     for key, value in model.state_dict().items():
-        if not isinstance(value, NF4Tensor):
+        parts = nf4_parts(value)
+        if parts is None:
             state[key] = value
             continue
-        layout = value.nf4_layout
-        nf4_settings.add((layout.block_size, layout.scaler_block_size, layout.double_quant))
-        state[key] = value.packed
-        for inner in INNER_TENSORS[1:]:
-            state[f"{key}{_NF4_SUFFIX}{inner}"] = getattr(value, inner)
+        nf4_settings.add((value.block_size, value.scaler_block_size, value.double_quant))
+        state[key] = parts.pop("packed")
+        for inner, tensor in parts.items():
+            state[f"{key}{_NF4_SUFFIX}{inner}"] = tensor
     if len(nf4_settings) > 1:
         raise ValueError(f"nf4='packed' needs one NF4 setting for all weights, found "
                          f"(block_size, scaler_block_size, double_quant) = {sorted(nf4_settings)}")
@@ -175,17 +175,17 @@ def _rebuild_nf4_weights(model: nn.Module, saved: dict[str, torch.Tensor]) -> di
     """``saved`` with each NF4 weight's pieces joined into an NF4Tensor shaped as the model's."""
     state = {k: v for k, v in saved.items() if _NF4_SUFFIX not in k}
     for key, current in model.state_dict().items():
-        if not isinstance(current, NF4Tensor):
+        names = nf4_parts(current)
+        if names is None:
             continue
-        pieces = [f"{key}{_NF4_SUFFIX}{inner}" for inner in INNER_TENSORS[1:]]
-        absent = [p for p in [key, *pieces] if p not in saved]
+        keys = {inner: key if inner == "packed" else f"{key}{_NF4_SUFFIX}{inner}" for inner in names}
+        absent = [k for k in keys.values() if k not in saved]
         if absent:
             raise ValueError(f"NF4 weight {key} is incomplete in the checkpoint: {absent} missing")
-        packed = saved[key]
-        if packed.dtype != current.packed.dtype or packed.shape != current.packed.shape:
-            raise ValueError(f"{key}: the checkpoint holds {tuple(packed.shape)} {packed.dtype} codes, the model "
-                             f"built from the config expects {tuple(current.packed.shape)} {current.packed.dtype}")
-        state[key] = NF4Tensor(packed, *(saved[p] for p in pieces), current.nf4_layout)
+        try:
+            state[key] = nf4_from_parts({inner: saved[k] for inner, k in keys.items()}, current)
+        except ValueError as error:
+            raise ValueError(f"{key}: the checkpoint does not fit the model built from the config: {error}") from error
     return state
 
 

@@ -443,6 +443,28 @@ _DISPATCH.update(nf4_fsdp.TORCH_FSDP2_OPS)  # the row-chunk ops torch's own full
 torch.serialization.add_safe_globals([_rebuild_nf4, NF4Tensor])
 
 
+def nf4_parts(tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """A whole NF4 weight's bytes as plain tensors ({"packed": uint8 codes, "scales", "scale_factors",
+    "scale_mean"}) for formats that store plain dtypes only (safetensors); None for any other tensor."""
+    if not isinstance(tensor, NF4Tensor):
+        return None
+    return {name: getattr(tensor, name) for name in INNER_TENSORS}
+
+
+def nf4_from_parts(parts: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The NF4 weight whose bytes are ``parts`` (as ``nf4_parts`` gives them), with the layout of
+    ``like`` (an NF4 weight of the same shape and block sizes). Raises ValueError naming what
+    does not fit."""
+    if not isinstance(like, NF4Tensor):
+        raise ValueError(f"nf4_from_parts needs an NF4 weight to take the layout from, got {type(like).__name__}")
+    for name in INNER_TENSORS:
+        have, want = parts[name], getattr(like, name)
+        if have.dtype != want.dtype or have.shape != want.shape:
+            raise ValueError(f"{name}: {tuple(have.shape)} {have.dtype} given, the weight {like!r} holds "
+                             f"{tuple(want.shape)} {want.dtype}")
+    return NF4Tensor(*(parts[name] for name in INNER_TENSORS), like.nf4_layout)
+
+
 def is_nf4_shard(tensor: torch.Tensor) -> bool:
     """True for an NF4 weight that holds only this rank's blocks (FSDP2's local shard)."""
     return isinstance(tensor, NF4Tensor) and tensor.is_shard
@@ -454,4 +476,4 @@ def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.dequantize(tensor.dtype) if isinstance(tensor, NF4Tensor) else tensor
 
 
-__all__ = ["NF4Tensor", "NF4Layout", "nf4_linear", "is_nf4_shard", "plain_tensor"]
+__all__ = ["NF4Tensor", "NF4Layout", "nf4_linear", "is_nf4_shard", "plain_tensor", "nf4_parts", "nf4_from_parts"]
