@@ -277,13 +277,12 @@ CELLS = [
 
     table = fsdp_lab.launch(all_policies, world_size=2)[0]
     print(f"{'policy':>30} | {'sharded':>7} {'gathered':>8} {'acc.grad':>8} {'sh.grad':>7} {'optim':>6} "
-          f"{'act.':>6} {'temp':>6} | {'AG bytes':>9} {'RS bytes':>9} | {'loss@1':>6} {'loss@50':>7}")
+          f"{'act.':>6} {'temp':>6} | {'AG bytes':>9} {'RS bytes':>9}")
     for name, row in table.items():
         m = row["highest"]
         print(f"{name:>30} | " + " ".join(f"{m.get(c, 0) / 1024:{w}.0f}" for c, w in
                                            zip(CATEGORIES, (7, 8, 8, 7, 6, 6, 6)))
-              + f" | {row['wire'].get('all_gather', 0):9,d} {row['wire'].get('reduce_scatter', 0):9,d}"
-              + f" | {row['losses'][0]:#6.4g} {row['losses'][-1]:#7.4g}")
+              + f" | {row['wire'].get('all_gather', 0):9,d} {row['wire'].get('reduce_scatter', 0):9,d}")
     print("(KiB on rank 0: the highest each category reached during the second step; bytes per step on rank 0)")
     """),
     code("""
@@ -308,7 +307,7 @@ CELLS = [
     files.savefig(fig, "policies.png", dpi=100, bbox_inches="tight")
     plt.show()
     gap = {name: max(abs(a - b) for a, b in zip(row["losses"], reference)) for name, row in table.items() if name != "fp32"}
-    print("largest |loss - fp32 loss| over 50 steps:", {k: f"{v:.2e}" for k, v in gap.items()})
+    print("every policy within 0.1 of the fp32 loss at every one of the 50 steps:", all(v < 0.1 for v in gap.values()))
     kib = lambda name, key, category=None: (table[name]["highest"].get(category, 0) if category else table[name]["wire"][key]) / 1024
     fp32, bf16, acc32, acc16 = "fp32", "bf16 params + fp32 reduce", "bf16 comm + fp32 accumulation", "bf16 params + bf16 reduce"
     print(f"gathered params, bf16 / fp32 compute: {kib(bf16, None, 'unsharded_params') / kib(fp32, None, 'unsharded_params'):.2f}; "
@@ -316,6 +315,13 @@ CELLS = [
           f"reduce-scatter bytes, bf16 / fp32 wire: {kib(acc16, 'reduce_scatter') / kib(bf16, 'reduce_scatter'):.2f}; "
           f"accumulation buffer, fp32 / bf16 accumulation: {kib(acc32, None, 'unsharded_grads') / kib(acc16, None, 'unsharded_grads'):.2f}")
     """),
+    code("""
+    # bf16 on a CPU: the last digits depend on the CPU's bf16 matrix kernels (oneDNN's AMX or AVX-512
+    # BF16 where the CPU has them, PyTorch's own elsewhere), so this cell's output is not compared
+    print(f"{'policy':>30} | {'loss@1':>6} {'loss@50':>7} | largest |loss - fp32 loss|")
+    for name, row in table.items():
+        print(f"{name:>30} | {row['losses'][0]:#6.4g} {row['losses'][-1]:#7.4g} | {gap.get(name, 0.0):.2e}")
+    """, tags=["nbval-ignore-output"]),
     md("""
     What to read in the table:
 
@@ -325,7 +331,9 @@ CELLS = [
       float32: its accumulation buffer (**acc.grad**) is about twice the third policy's (the ratios are
       printed under the figure).
     * The loss curves would lie on top of each other at this scale; the left panel plots each policy's
-      *difference* from the float32 run instead, printed under the figure. At this size bf16 changes the
+      *difference* from the float32 run instead; the cell under the figure prints each policy's losses
+      and largest difference (exact digits there depend on the CPU's bf16 kernels, so the tests compare
+      only that every policy stays within 0.1 of float32). At this size bf16 changes the
       numbers, not the course of training. The accumulation dtype matters when many microbatches are
       summed (`tests/test_precision.py`: with 16 microbatches, float32 accumulation stays within 1e-5 of
       the exact sum, bf16 accumulation is off by more than 1e-3).
@@ -397,7 +405,8 @@ CELLS = [
     for step in (1, 10, 20, 30, BUG_STEPS):
         print(f"{step:5d} | {bug['single process'][step - 1]:14.4f} {bug['fixed'][step - 1]:12.4f} {bug['buggy'][step - 1]:11.4f}")
     fixed_gap = max(abs(a - b) for a, b in zip(bug["fixed"], bug["single process"]))
-    print(f"fixed vs single process: largest difference {fixed_gap:.1e} (float32 round-off)")
+    print(f"fixed vs single process: largest difference {'below 1e-5' if fixed_gap < 1e-5 else f'{fixed_gap:.1e}'} "
+          "(float32 round-off)")
     first = next(i + 1 for i, (b, f) in enumerate(zip(bug["buggy"], bug["fixed"])) if abs(b - f) > 1e-4)
     tail_buggy, tail_fixed = sum(bug["buggy"][-10:]) / 10, sum(bug["fixed"][-10:]) / 10
     print(f"buggy leaves the fixed run at step {first}; mean loss over the last 10 steps: buggy {tail_buggy:.4f}, "
