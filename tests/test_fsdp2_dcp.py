@@ -3,8 +3,8 @@
 ``dcp.save(model.state_dict())`` reshards by rows, which NF4 shards (cut by blocks) support only
 where rows hold whole blocks. ``fsdp_lab.fsdp2.dcp_state_dict`` hands DCP block tables instead.
 Here: weights of 700 x 96 and 100 x 700 values (rows of 96 and 700 values, a partial last block,
-double-quant groups across ranks), trained on 2 ranks, saved, and loaded on 3 into a model
-built from other weights. The reference is independent of the code under test: ``to_nf4`` of
+double-quant groups across ranks), trained on 4 ranks as HSDP (2 replicas x 2 shards), saved,
+and loaded on 3 plain FSDP ranks into a model built from other weights. The reference is independent of the code under test: ``to_nf4`` of
 the same weights in this process (NF4 bytes equal bit for bit) and the 2-rank run's own
 adapters and loss.
 """
@@ -28,18 +28,18 @@ def _build(seed):
     return apply_lora(model, target_modules=("0", "2"), rank=4, alpha=8)
 
 
-def _wrap(seed):
+def _wrap(seed, mesh=None):
     from fsdp_lab.fsdp2 import fully_shard
 
     model = _build(seed)
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _batch(step, rank, world):
     g = torch.Generator().manual_seed(50 + step)
-    x, y = torch.randn(6, 96, generator=g), torch.randn(6, 100, generator=g)
+    x, y = torch.randn(12, 96, generator=g), torch.randn(12, 100, generator=g)
     return x.chunk(world)[rank], y.chunk(world)[rank]
 
 
@@ -54,8 +54,10 @@ def _save(directory):
     import torch.distributed.checkpoint as dcp
     from fsdp_lab.fsdp2 import dcp_state_dict, get_full_state_dict
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _wrap(0)
+    model = _wrap(0, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for step in range(2):
         x, y = _batch(step, rank, world)
@@ -90,7 +92,7 @@ def _load(directory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("fsdp2_dcp"))
-    saved = fsdp_lab.launch(_save, directory, world_size=2, timeout=300)
+    saved = fsdp_lab.launch(_save, directory, world_size=4, timeout=300)
     loaded = fsdp_lab.launch(_load, directory, world_size=3, timeout=300)
     return saved, loaded
 
@@ -102,7 +104,7 @@ def _same(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def test_nf4_checkpoint_saved_on_2_ranks_loads_on_3_bit_exactly(runs):
+def test_nf4_checkpoint_saved_by_hsdp_on_2x2_ranks_loads_on_3_bit_exactly(runs):
     saved, loaded = runs
     assert any(not a for r in loaded for a in r["aligned"])  # a shard starting inside a row: rows cannot carry it
     full_saved, full_loaded = saved[0]["full"], loaded[0]["full"]
