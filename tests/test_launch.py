@@ -410,8 +410,14 @@ class _InterruptOnReady(io.StringIO):
 
 def test_keyboard_interrupt_stops_every_rank(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdout", _InterruptOnReady())
-    with pytest.raises(KeyboardInterrupt):
-        launch(_wait_forever, str(tmp_path), world_size=2, timeout=120)
+    # a shell starts background jobs with SIGINT ignored, and Python then keeps it ignored: make
+    # Ctrl-C raise KeyboardInterrupt here however pytest was started, as it does in a notebook
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(_wait_forever, str(tmp_path), world_size=2, timeout=120)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pids = _pids(tmp_path)
     assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
 
