@@ -39,6 +39,11 @@ QLORA_CONFIG = "qlora_config.json"
 _NF4_SUFFIX = ".nf4_"
 
 
+def _part_key(key: str, inner: str) -> str:
+    """The safetensors key of one inner tensor of the NF4 weight ``key``."""
+    return key if inner == "packed" else f"{key}{_NF4_SUFFIX}{inner}"
+
+
 def _check_unsharded(model: nn.Module, what: str) -> None:
     for name, param in model.named_parameters():
         if is_nf4_shard(param):
@@ -113,9 +118,7 @@ def _packed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
             state[key] = value
             continue
         nf4_settings.add((value.block_size, value.scaler_block_size, value.double_quant))
-        state[key] = parts.pop("packed")
-        for inner, tensor in parts.items():
-            state[f"{key}{_NF4_SUFFIX}{inner}"] = tensor
+        state.update({_part_key(key, inner): tensor for inner, tensor in parts.items()})
     if len(nf4_settings) > 1:
         raise ValueError(f"nf4='packed' needs one NF4 setting for all weights, found "
                          f"(block_size, scaler_block_size, double_quant) = {sorted(nf4_settings)}")
@@ -178,7 +181,7 @@ def _rebuild_nf4_weights(model: nn.Module, saved: dict[str, torch.Tensor]) -> di
         names = nf4_parts(current)
         if names is None:
             continue
-        keys = {inner: key if inner == "packed" else f"{key}{_NF4_SUFFIX}{inner}" for inner in names}
+        keys = {inner: _part_key(key, inner) for inner in names}
         absent = [k for k in keys.values() if k not in saved]
         if absent:
             raise ValueError(f"NF4 weight {key} is incomplete in the checkpoint: {absent} missing")
