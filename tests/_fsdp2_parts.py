@@ -1,0 +1,339 @@
+"""What each rank of tests/test_fsdp2.py's launches runs: ``_rank_suite`` and its ``_part_*``.
+
+One launch per world size calls ``_rank_suite``; every part returns a dict of results that the
+host's tests compare. Ranks import this module by name (``fsdp_lab.launch`` sends the caller's
+``sys.path``). The models and the training loop are in tests/_fsdp2_models.py.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab.states import ShardedState
+from fsdp_lab.models.data import global_batch, shard_batch
+from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
+
+from _fsdp2_models import (GLOBAL_BATCH, SEQ, Uneven, _config, _freeze, _quantized_model, _shard_llama, _train,
+                           _train_quantized, _train_step_by_step)
+
+
+# -- what every rank runs ------------------------------------------------------------------------
+# Each part returns a dict of results. A part that raises leaves its traceback under
+# "failed_parts" and the others still run, so one crash fails only the tests that read its keys
+# (and test_every_part_ran, which shows the traceback).
+def _rank_suite():
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts = [_part_parity, _part_uneven, _part_extension, _part_vs_torch, _part_dcp]
+    out = _run_parts(parts)
+    if world == 2:
+        out["extras"] = _run_parts([_part_memory, _part_prefetch_order, _part_unshard_api, _part_bad_inputs])
+    return out if rank == 0 else {"losses_by_config": {k: v["losses"] for k, v in out.items()
+                                                       if isinstance(v, dict) and "losses" in v}}
+
+
+def _run_parts(parts) -> dict:
+    import traceback
+
+    out = {"failed_parts": {}}
+    for part in parts:
+        try:
+            out.update(part())
+        except Exception:  # noqa: BLE001 - reported by test_every_part_ran
+            out["failed_parts"][part.__name__] = traceback.format_exc()
+    return out
+
+
+def _full_params(model):
+    from fsdp_lab.fsdp2 import get_full_state_dict
+
+    return dict(get_full_state_dict(model))
+
+
+def _ours(name, *, tied=False, freeze=False, accum=1, sync_every_micro=True, checkpoint=False,
+          step_by_step=False, **kwargs):
+    """({name: results}, model): our fully_shard on the test Llama, trained like the reference."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Llama(_config(tied), seed=0)
+    if freeze:
+        _freeze(model)
+    if checkpoint:
+        apply_activation_checkpointing(model)
+    _shard_llama(model, fully_shard, tied=tied, **kwargs)
+    if step_by_step:
+        losses, params, per_step = _train_step_by_step(model, rank, world, _full_params)
+        return {name: {"losses": losses, "params": params[-1], "params_per_step": params,
+                       "collectives_per_step": per_step}}, model
+    losses = _train(model, rank, world, accum=accum, sync_every_micro=sync_every_micro)
+    return {name: {"losses": losses, "params": _full_params(model)}}, model
+
+
+def _part_parity():
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_lab.fsdp2 import CPUOffloadPolicy
+
+    out, model = _ours("raf_true", reshard_after_forward=True, step_by_step=True)
+    out["is_dtensor"] = all(isinstance(p, DTensor) for p in model.parameters())
+    out["local_shapes"] = {k: tuple(v.to_local().shape) for k, v in model.state_dict().items()}
+    for name, kwargs in [("raf_false", dict(reshard_after_forward=False, step_by_step=True)),
+                         ("default", dict(step_by_step=True)),
+                         ("accum_nosync", dict(accum=2, sync_every_micro=False)),
+                         ("accum_sync", dict(accum=2)),
+                         ("tied", dict(tied=True)),
+                         ("frozen", dict(freeze=True)),
+                         ("offload", dict(offload_policy=CPUOffloadPolicy())),
+                         ("checkpointed", dict(checkpoint=True))]:
+        out.update(_ours(name, **kwargs)[0])
+    return out
+
+
+def _part_uneven():
+    """Dim-0 sizes that do not divide by the world size."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import fully_shard, get_full_state_dict
+
+    small = fully_shard(Uneven())
+    out = {"uneven_local": {k: tuple(v.to_local().shape) for k, v in small.state_dict().items()},
+           "uneven_full_before": get_full_state_dict(small)}
+    losses = _train(small, dist.get_rank(), dist.get_world_size(), uneven=True)
+    out["uneven"] = {"losses": losses, "params": get_full_state_dict(small)}
+    return out
+
+
+def _part_extension():
+    """A tensor subclass that all-gathers int8 codes + scales (the extension point NF4 uses)."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import fully_shard, get_full_state_dict
+    from fsdp_lab.timeline import Timeline
+
+    rank = dist.get_rank()
+    quantized = _quantized_model()
+    fully_shard(quantized[0])
+    fully_shard(quantized)
+    with Timeline() as tl:
+        _train_quantized(quantized, rank, dist.get_world_size())
+    full = get_full_state_dict(quantized)
+    return {"extension": {
+        "params": {k: v for k, v in full.items() if k != "0.weight"},
+        "weight_type": type(quantized[0].weight._local_tensor).__name__,
+        "gathers": [(e.bytes, e.args.get("dtype")) for e in tl.comm_events(rank, "all_gather")
+                    if e.args.get("module") == "0"],
+    }}
+
+
+def _part_vs_torch():
+    """PyTorch's fully_shard on an identical model, fp32 and bf16 params / fp32 reduce."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_lab.fsdp2 import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    for name, ours_mp, torch_mp in [("fp32", MixedPrecisionPolicy(), TorchMP()),
+                                    ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                                     TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))]:
+        for impl, fs, mp in [("ours", fully_shard, ours_mp), ("torch", torch_fully_shard, torch_mp)]:
+            model = _shard_llama(Llama(_config(), seed=0), fs, mp_policy=mp)
+            losses = _train(model, dist.get_rank(), dist.get_world_size())
+            local = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+            out[f"vs_torch_{name}_{impl}"] = {"losses": losses, "local": local}
+    return out
+
+
+def _part_dcp():
+    """torch.distributed.checkpoint round trip of the sharded state dict, then a clipped norm."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_lab.fsdp2 import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _shard_llama(Llama(_config(), seed=0), fully_shard)
+    _train(model, rank, world, steps=1)
+    path = [tempfile.mkdtemp(prefix="fsdp2_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    dcp.save(model.state_dict(), checkpoint_id=path[0])
+    saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path[0])
+    model.load_state_dict(state)
+    out = {"dcp_max_diff": max((model.state_dict()[k].to_local() - v).abs().max().item() for k, v in saved.items())}
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=99), rank, world)
+    out["clip_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor().item() \
+        if _backward(model, batch) else None
+    return out
+
+
+def _part_memory():
+    """Unsharded bytes alive wherever an all-gather lands, sharded bytes, the tracker's view (2 ranks)."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import FSDPModule, FSDPParamGroup, fully_shard
+
+    world = dist.get_world_size()
+    out = {}
+    cfg = LlamaConfig.from_name("cpu")  # 4 layers: "largest groups alive" differs from "whole model"
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), world)
+
+    # memory: unsharded bytes alive at every point an all-gather lands
+    original_wait = FSDPParamGroup.wait_for_unshard
+    for raf in (True, False):
+        model = _shard_llama(Llama(cfg, seed=0), fully_shard, reshard_after_forward=raf)
+        groups = list({id(m._fsdp_state): m._fsdp_state.group for m in model.modules()
+                       if isinstance(m, FSDPModule)}.values())
+        peak = [0]
+
+        def probe(self, groups=groups, peak=peak):
+            original_wait(self)
+            peak[0] = max(peak[0], sum(g.unsharded_bytes() for g in groups))
+
+        FSDPParamGroup.wait_for_unshard = probe
+        try:
+            model(batch.input_ids, batch.labels).loss.backward()
+        finally:
+            FSDPParamGroup.wait_for_unshard = original_wait
+        out[f"memory_raf_{raf}"] = {
+            "peak_unsharded": peak[0],
+            "after_backward": sum(g.unsharded_bytes() for g in groups),
+            "sharded": {k: v.to_local().untyped_storage().nbytes() for k, v in model.state_dict().items()},
+        }
+        if raf:
+            try:
+                from fsdp_lab.memory.tracker import MemoryTracker
+                model.zero_grad()
+                with MemoryTracker(model) as tracker:
+                    model(batch.input_ids, batch.labels).loss.backward()
+                out["tracker_max"] = tracker.max_by_category()
+            except ImportError:
+                out["tracker_max"] = None
+    return out
+
+
+def _part_prefetch_order():
+    """The order of all-gathers: implicit backward prefetch and explicit forward prefetch (2 ranks)."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import FSDPParamGroup, fully_shard
+
+    world = dist.get_world_size()
+    out = {}
+    cfg = LlamaConfig.from_name("cpu")  # 4 layers: "largest groups alive" differs from "whole model"
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), world)
+
+    # order of all-gathers: implicit backward prefetch and explicit forward prefetch
+    log = []
+    original_unshard = FSDPParamGroup.unshard
+
+    def logging_unshard(self, async_op=False):
+        if self.sharded_state == ShardedState.SHARDED:
+            log.append((self.name, async_op))
+        return original_unshard(self, async_op)
+
+    for explicit in (False, True, "no_backward_prefetch_from_layers.3"):
+        model = _shard_llama(Llama(cfg, seed=0), fully_shard, reshard_after_forward=True)
+        layers = list(model.layers)
+        if explicit is True:
+            for a, b in zip(layers, layers[1:]):
+                a.set_modules_to_forward_prefetch([b])
+        elif explicit:
+            layers[3].set_modules_to_backward_prefetch([])
+        for layer in layers:
+            layer.attention.register_forward_pre_hook(lambda m, a, i=layers.index(layer): log.append((f"compute.{i}", None)))
+        log.clear()
+        FSDPParamGroup.unshard = logging_unshard
+        try:
+            loss = model(batch.input_ids, batch.labels).loss
+            log.append(("backward", None))
+            loss.backward()
+        finally:
+            FSDPParamGroup.unshard = original_unshard
+        out[f"order_explicit_{explicit}"] = list(log)
+    return out
+
+
+def _part_unshard_api():
+    """The public unshard / reshard API (2 ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_lab.fsdp2 import fully_shard
+
+    out = {}
+    model = _shard_llama(Llama(LlamaConfig.from_name("cpu"), seed=0), fully_shard, reshard_after_forward=True)
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), dist.get_world_size())
+    model(batch.input_ids, batch.labels).loss.backward()  # one step first: the root's lazy init has run
+    layer = model.layers[0]
+    handle = layer.unshard(async_op=True)
+    handle.wait()
+    weight = layer.feed_forward.w1.weight
+    out["unsharded_type"] = (type(weight).__name__, tuple(weight.shape))
+    out["unsharded_w1"] = weight.detach().clone()
+    layer.reshard()
+    out["resharded_is_dtensor"] = isinstance(layer.feed_forward.w1.weight, DTensor)
+    return out
+
+
+def _part_bad_inputs():
+    """Bad input: each must raise a clear error (2 ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_lab.fsdp2 import fully_shard
+
+    world = dist.get_world_size()
+    out = {}
+
+    def tied_separately():
+        m = Llama(LlamaConfig.from_name("cpu-tied", n_layers=1), seed=0)
+        fully_shard(m.tok_embeddings)
+        fully_shard(m.output)
+
+    def twice():
+        m = nn.Linear(4, 4)
+        fully_shard(m)
+        fully_shard(m)
+
+    def mixed_devices():
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+        fully_shard(m)
+
+    def mesh_mismatch():
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+        fully_shard(nn.Linear(4, 4), mesh=mesh["a"])
+
+    def integer_param():
+        m = nn.Linear(4, 4)
+        m.register_parameter("count", nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False))
+        fully_shard(m)
+
+    def int_reshard():
+        fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
+
+    out["errors"] = {}
+    for fn in (tied_separately, twice, mixed_devices, mesh_mismatch, integer_param, int_reshard):
+        try:
+            fn()
+            out["errors"][fn.__name__] = None
+        except Exception as exc:  # noqa: BLE001 - the test looks at type and message
+            out["errors"][fn.__name__] = (type(exc).__name__, str(exc))
+    return out
+
+
+def _backward(model, batch):
+    model(batch.input_ids, batch.labels).loss.backward()
+    return True
