@@ -9,7 +9,9 @@ each is reported with its ratio to the plain step (target for the tracker <= 1.1
 do-nothing mode is the floor: what entering a Python ``TorchDispatchMode`` for every op costs
 before the tracker does any work. The profiler (``torch.profiler.profile(profile_memory=True)``,
 CPU activity, no shapes or stacks) is the other way to see every allocation: in C++, without
-Python per op, but recording an event per op and per allocation; its cost is shown beside ours. Times are CPU time
+Python per op, but recording an event per op and per allocation; its cost is shown beside ours. The ops of one step are counted, and each instrument's cost per op
+printed: a per-op instrument costs a fixed time per op, so its ratio falls as ops grow (bigger
+batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
 wall-clock time; on a GPU, wall-clock time with the device synchronised.
 On a GPU the model runs there and steps are synchronised before timing.
@@ -43,6 +45,18 @@ class _DoNothingMode(TorchDispatchMode):
     """Every op through Python and straight on: the cost of any dispatch-based tracker."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ops one step dispatches (what a per-op instrument pays for)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -98,6 +112,10 @@ def main() -> dict:
         for kind in kinds:
             times[kind].append(timed(kind))
     median = {kind: statistics.median(t) for kind, t in times.items()}
+    with _CountOps() as counter:
+        step()
+    ops = counter.count
+    per_op_us = {kind: 1e6 * (median[kind] - median["plain"]) / ops for kind in kinds}
     result = {
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
@@ -108,11 +126,19 @@ def main() -> dict:
     result["ratio"] = result["tracked_step_s"] / result["plain_step_s"]
     result["floor_ratio"] = result["dispatch_floor_step_s"] / result["plain_step_s"]
     result["profiler_memory_ratio"] = result["profiler_memory_step_s"] / result["plain_step_s"]
+    # the instrument's cost grows with the number of ops, the step's time with their size: a
+    # step whose ops take on average this long (s) is within the 1.10 target
+    result.update(ops_per_step=ops, plain_us_per_op=1e6 * median["plain"] / ops,
+                  tracked_us_added_per_op=per_op_us["tracked"], floor_us_added_per_op=per_op_us["dispatch_floor"],
+                  us_per_op_for_target=per_op_us["tracked"] / 0.10)
     print(f"{'':<16}{'step (ms)':>12}{'ratio':>8}")
     for kind in kinds:
         print(f"{kind:<16}{1e3 * median[kind]:>12.2f}{median[kind] / median['plain']:>8.3f}")
     print(f"ratio tracked/plain: {result['ratio']:.2f}  (target <= 1.10; a do-nothing dispatch mode alone: "
           f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f})")
+    print(f"{ops} ops per step, {result['plain_us_per_op']:.1f} us each on average; the tracker adds "
+          f"{per_op_us['tracked']:.1f} us per op (a do-nothing dispatch mode {per_op_us['dispatch_floor']:.1f} us), "
+          f"so steps whose ops average {result['us_per_op_for_target']:.0f} us or more stay within 1.10")
     measured = last["result"]
     est = estimate(model.config, world_size=1, strategy="ddp", param_dtype=torch.float32,
                    batch_size=args.batch_size, seq_len=args.seq_len, foreach=device.type == "cuda")
