@@ -219,13 +219,19 @@ CELLS = [
     md("""
     ## 4. Automatic microbatch search on a budget
 
-    One process is enough to see the search. We measure the peak of one training step (AdamW) for every
+    One process is enough to see the search. We measure the peak of a training step (AdamW) for every
     microbatch size, model depth and sequence length, then let `AutoMicrobatch` search under a budget:
     it starts at the whole batch (8) and steps down to the largest divisor of 8 at most half the failed size
     (this package's rule; Composer simply halves, which is the same for a power of two).
+
+    Which step? AdamW creates its state (two tensors the size of each parameter) inside the first
+    `step()`, so during the first forward and backward that state does not exist yet; from the second step
+    on it does. A budget that holds the first step can fail the second, so `step_peak` runs one step
+    first and measures the next one, the step that repeats for the rest of training.
     """),
     code("""
-    def step_peak(n_layers, seq, microbatch, checkpoint=False, lora=None):
+    def step_peak(n_layers, seq, microbatch, checkpoint=False, lora=None, first_step=False):
+        # peak bytes (total, by category) of the second training step; of the first with first_step=True
         model = Llama(LlamaConfig.from_name("cpu", n_layers=n_layers), seed=0)
         if checkpoint:
             apply_activation_checkpointing(model)
@@ -233,18 +239,30 @@ CELLS = [
             from fsdp_lab.qlora.lora import apply_lora
             apply_lora(model, rank=8, quantize_base=lora == "qlora")
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        batch = global_batch(CONFIG.vocab_size, B, seq, step=0)
-        with MemoryTracker(model, opt) as tracker:
+
+        def train_step(step):
+            batch = global_batch(CONFIG.vocab_size, B, seq, step=step)
             for begin in range(0, B, microbatch):
                 (model(split_batch(batch, begin, begin + microbatch)).loss * (microbatch / B)).backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        if not first_step:
+            train_step(0)  # creates AdamW's state
+        with MemoryTracker(model, opt) as tracker:
+            train_step(0 if first_step else 1)
         return tracker.peak_total(), tracker.peak()
 
     GRID = {(n, s, m): step_peak(n, s, m)[0] for n in (2, 4) for s in (32, 64, 128) for m in (1, 2, 4, 8)}
-    print("peak MiB of one step (batch 8), rows: layers x seq, columns: microbatch 1 2 4 8")
+    print("peak MiB of a step after the first (batch 8), rows: layers x seq, columns: microbatch 1 2 4 8")
     for n in (2, 4):
         for s in (32, 64, 128):
             print(f"  {n} layers, seq {s:>3}: " + " ".join(f"{GRID[n, s, m] / MiB:6.2f}" for m in (1, 2, 4, 8)))
+    first_total, first = step_peak(2, 32, 8, first_step=True)
+    later_total, later = step_peak(2, 32, 8)
+    print(f"2 layers, seq 32, microbatch 8: first step {first_total / MiB:.2f} MiB, every later step "
+          f"{later_total / MiB:.2f} MiB; AdamW state at the peak: {first['optimizer_state'] / MiB:.2f} "
+          f"then {later['optimizer_state'] / MiB:.2f} MiB")
     """),
     code("""
     def predicted_microbatch(budget, n_layers, seq):
@@ -259,10 +277,21 @@ CELLS = [
     model = Llama(LlamaConfig.from_name("cpu", n_layers=4), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amb = AutoMicrobatch(model, opt, B)
+    print(f"budget {budget / MiB:.2f} MiB; predicted from the table: microbatch {predicted_microbatch(budget, 4, 128)}")
     with memory_budget(budget, model=model, optimizer=opt) as tracker:
-        result = amb.train_step(global_batch(CONFIG.vocab_size, B, 128, step=0))
-    print(f"budget {budget / MiB:.2f} MiB: tried {amb.tried}, chose {result.microbatch_size} "
-          f"(predicted from the table: {predicted_microbatch(budget, 4, 128)}), OOMs raised: {tracker.failures}")
+        for step in range(3):
+            tried_before, failures_before = len(amb.tried), tracker.failures
+            result = amb.train_step(global_batch(CONFIG.vocab_size, B, 128, step=step))
+            print(f"step {step + 1}: tried {amb.tried[tried_before:]}, chose {result.microbatch_size}, "
+                  f"OOMs raised: {tracker.failures - failures_before}")
+    print(f"first step at microbatch 4: {step_peak(4, 128, 4, first_step=True)[0] / MiB:.2f} MiB, "
+          f"a later one: {GRID[4, 128, 4] / MiB:.2f} MiB")
+    """),
+    md("""
+    The first step fits at a microbatch the table rules out: it runs before AdamW's state exists. The
+    second step holds that state, runs out of memory at the same size, and steps down again, to the size the
+    table predicted; from then on each step fits at the first try. On a GPU this is the run that trains one
+    step and dies on the second: size a budget for the step that repeats, not the first one.
     """),
     code("""
     def render(budget_mib, n_layers, seq_len):
@@ -286,7 +315,7 @@ CELLS = [
     """),
     code("""
     explorer = Explorer({
-        "budget_mib": widgets.FloatSlider(value=round(budget / MiB, 1), min=5, max=40, step=0.5, description="budget MiB"),
+        "budget_mib": widgets.FloatSlider(value=round(budget / MiB, 1), min=5, max=70, step=0.5, description="budget MiB"),
         "n_layers": widgets.Dropdown(options=[2, 4], value=4, description="layers"),
         "seq_len": widgets.Dropdown(options=[32, 64, 128], value=128, description="seq len"),
     }, render, title="AutoMicrobatch: which microbatch fits?")
@@ -306,10 +335,11 @@ CELLS = [
 
     Here the emulated allocator does the counting: `memory_budget(None, retry_above=...)` adds a retry each
     time an allocation takes the tracked total past a line, and `AutoMicrobatch` reads that count where it
-    would read `num_alloc_retries`. The line sits between the one-step peaks of microbatch 4 and 8 measured
-    in section 4; the output shows the count after each step and the microbatch each step used. Inside
-    `AutoMicrobatch` a step can hold more than section 4's bare step, so the count may keep growing at a
-    smaller microbatch, and the rule then steps down again:
+    would read `num_alloc_retries`. The line sits between the peaks of a later step at microbatch 4 and 8
+    measured in section 4; the output shows the count after each step and the microbatch each step used. Inside
+    `AutoMicrobatch` the first step stays under the line (AdamW's state does not exist yet); from the second
+    step on, microbatch 8 crosses it, the count grows twice in a row, and the rule steps down to 4, where the
+    count stops growing:
     """),
     code("""
     import fsdp_lab.automicrobatch as automicrobatch_module
@@ -398,9 +428,9 @@ CELLS = [
     Both cut activation memory. Checkpointing keeps only each block's input and recomputes the block in
     backward (about one extra forward); microbatching keeps the whole step's math but runs it in pieces (more,
     smaller kernels; same number of FLOPs). Each item of the slaying-OOMs checklist attacks one kind of
-    memory, so each is measured where that kind dominates (peak bytes of one AdamW step, per rank):
-    the state items on section 6's model (8 layers, 8 sequences of 8 tokens per rank), the activation items
-    on a 2-layer model with 8 sequences of 128 tokens.
+    memory, so each is measured where that kind dominates (peak bytes per rank of an AdamW step after the
+    first, as in section 6): the state items on section 6's model (8 layers, 8 sequences of 8 tokens per
+    rank), the activation items on a 2-layer model with 8 sequences of 128 tokens.
     """),
     code("""
     SEQ_LONG = 128
@@ -424,7 +454,7 @@ CELLS = [
         for name, peak in rows:
             print(f"  {name:<38}{peak / MiB:8.2f} MiB  {peak / base:6.1%} of its baseline")
         ax.barh([r[0] for r in rows][::-1], [r[1] / MiB for r in rows][::-1], color="tab:blue")
-        ax.set_xlabel("peak MiB of one step (per rank)"); ax.set_title(title, fontsize=9)
+        ax.set_xlabel("peak MiB of a step (per rank)"); ax.set_title(title, fontsize=9)
     fig.suptitle("the slaying-OOMs checklist, measured")
     fig.tight_layout()
     files.savefig(fig, "checklist.png", dpi=90, bbox_inches="tight")
