@@ -2,9 +2,10 @@
 
 * ``check_my_all_reduce(my_all_reduce)``: an all-reduce built from a reduce-scatter and an
   all-gather. Reference: ``collectives.all_reduce`` on the same inputs, on the same ranks.
-* ``check_my_reduce_scatter(my_reduce_scatter)``: a reduce-scatter built from an all-reduce.
-  Reference: ``collectives.reduce_scatter_tensor``; the verdict also prices the answer's
-  bytes on the wire (from its timeline) against a real reduce-scatter's.
+* ``check_my_reduce_scatter(my_reduce_scatter)``: a reduce-scatter built from an all-reduce
+  of a copy of ``t``: any collective but ``collectives.all_reduce`` and any change to ``t`` are
+  mistakes. Reference: ``collectives.reduce_scatter_tensor``; the verdict also prices the
+  answer's bytes on the wire (from its timeline) against a real reduce-scatter's.
 """
 
 from __future__ import annotations
@@ -98,11 +99,31 @@ def check_my_all_reduce(my_all_reduce):
                                     "return this rank's chunk: elements [rank·k, (rank+1)·k) with "
                                     "k = t.numel() // world")
 def check_my_reduce_scatter(my_reduce_scatter):
-    """Run ``my_reduce_scatter(t)`` on 4 ranks; compare each rank's chunk with
+    """Run ``my_reduce_scatter(t)`` on 4 ranks; require ``collectives.all_reduce`` as its only
+    collective and ``t`` unchanged; compare each rank's chunk with
     ``collectives.reduce_scatter_tensor`` and its bytes on the wire with a real one's."""
     out = launch(_run, my_reduce_scatter, "reduce_scatter", world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("my_reduce_scatter")
+    names = {name for o in out for name, _ in o["comm"]}
+    if names - {"all_reduce"}:
+        return mistake("used_other_collective", f"your function called {_used(out)}; build the "
+                                                "reduce-scatter from collectives.all_reduce alone",
+                       "all-reduce a copy of t (total = t.clone(); collectives.all_reduce(total)), "
+                       "then return this rank's chunk of total")
+    if not names:
+        return mistake("no_all_reduce", "no collectives.all_reduce was recorded (torch.distributed's "
+                                        "own calls are not seen), so nothing was summed through "
+                                        "fsdp_lab and its cost cannot be priced",
+                       "all-reduce a copy of t with collectives.all_reduce, then return this "
+                       "rank's chunk of it")
+    changed = [rank for rank, o in enumerate(out) if not torch.equal(o["t"], _rank_input(rank))]
+    if changed:
+        return mistake("changed_t", f"your function changed its input t (on rank {changed[0]}, "
+                                    f"t now holds {_show(out[changed[0]]['t'])}); the caller's t "
+                                    "must be left alone",
+                       "all-reduce a copy: total = t.clone(); collectives.all_reduce(total); "
+                       "then slice total, not t")
     if all(_same(o["result"], o["reference"]) for o in out):
         size = WORLD * ELEMENTS_PER_RANK * 4
         real = round(size * (WORLD - 1) / WORLD)

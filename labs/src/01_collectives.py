@@ -136,16 +136,18 @@ CELLS = [
     What is a good busbw? nccl-tests defines it so that it can be compared with the peak bandwidth
     of the link that is the bottleneck, in one direction, whatever the number of ranks
     ([nccl-tests, doc/PERFORMANCE.md](https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md)).
-    Vendors quote both directions together; halved, the peaks per GPU are:
+    Vendors quote these links in two ways. NVLink and PCIe figures are bytes per second in both
+    directions together, so one direction is half of them; InfiniBand port speeds are bits per second
+    in each direction, so one direction is the quoted rate divided by 8 bits per byte. The peaks per GPU:
 
-    | link | quoted (both directions) | one direction | source |
+    | link | as quoted | one direction | source |
     | --- | --- | --- | --- |
-    | NVLink 4, H100 SXM (18 links) | 900 GB/s | 450 GB/s | [NVIDIA, NVLink and NVSwitch](https://www.nvidia.com/en-us/data-center/nvlink/); H100 datasheet |
-    | NVLink 3, A100 SXM (12 links) | 600 GB/s | 300 GB/s | same page; A100 datasheet |
-    | PCIe 5.0 x16 | 128 GB/s | 64 GB/s | H100 datasheet ("PCIe Gen5: 128GB/s") |
-    | PCIe 4.0 x16 | 64 GB/s | 32 GB/s | A100 datasheet ("PCIe Gen4: 64GB/s") |
-    | InfiniBand NDR, one port | 400 Gb/s | 50 GB/s | NVIDIA ConnectX-7 / Quantum-2 (NDR 400 Gb/s) |
-    | InfiniBand HDR, one port | 200 Gb/s | 25 GB/s | NVIDIA ConnectX-6 (HDR 200 Gb/s) |
+    | NVLink 4, H100 SXM (18 links) | 900 GB/s, both directions | 450 GB/s (halved) | [NVIDIA, NVLink and NVSwitch](https://www.nvidia.com/en-us/data-center/nvlink/); H100 datasheet |
+    | NVLink 3, A100 SXM (12 links) | 600 GB/s, both directions | 300 GB/s (halved) | same page; A100 datasheet |
+    | PCIe 5.0 x16 | 128 GB/s, both directions | 64 GB/s (halved) | H100 datasheet ("PCIe Gen5: 128GB/s") |
+    | PCIe 4.0 x16 | 64 GB/s, both directions | 32 GB/s (halved) | A100 datasheet ("PCIe Gen4: 64GB/s") |
+    | InfiniBand NDR, one port | 400 Gb/s, each direction | 50 GB/s (bits to bytes) | NVIDIA ConnectX-7 / Quantum-2 (NDR 400 Gb/s) |
+    | InfiniBand HDR, one port | 200 Gb/s, each direction | 25 GB/s (bits to bytes) | NVIDIA ConnectX-6 (HDR 200 Gb/s) |
 
     These are the links' peaks: a measured busbw stays below them. Inside one node the GPUs talk over
     NVLink (or PCIe without it); between nodes a collective is bounded by the network, typically one
@@ -292,8 +294,9 @@ CELLS = [
     gloo has no reduce-scatter of its own: `torch.distributed.reduce_scatter_tensor` on gloo all-reduces
     the whole buffer and keeps a chunk. Write `my_reduce_scatter(t)` that way: return this rank's chunk
     (elements `[rank·k, (rank+1)·k)` with `k = t.numel() // world`) of the element-wise sum of every rank's
-    `t`, using only `collectives.all_reduce` (on a copy: leave `t` alone). The check compares with
-    `collectives.reduce_scatter_tensor` on 4 ranks — and tells you what the shortcut costs on the wire.
+    `t`, using only `collectives.all_reduce` (on a copy: leave `t` alone). The check runs it on 4 ranks,
+    rejects any other collective and any change to `t`, compares each chunk with
+    `collectives.reduce_scatter_tensor` — and tells you what the shortcut costs on the wire.
     """),
     exercise("""
     def my_reduce_scatter(t):
