@@ -41,6 +41,7 @@ CELLS = [
     from fsdp_lab.viz.memory_plots import plot_memory_curve
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab_files, lab04
+    from fsdp_lab.workshop.measure import wire_bytes
 
     files = lab_files("04_fsdp1_flat_parameters")   # labs/figures/04_*, from labs/ or labs/solutions/
     print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
@@ -203,7 +204,12 @@ CELLS = [
         for h in hooks:
             h.remove()
         comms = tl.comm_events()
-        return {"timeline": tl, "samples": samples, "peak": mt.peak(), "loss": loss.item(),
+        # each rank's loss is the mean over its share of the batch; their mean over ranks is the loss
+        # of the whole batch (after the recorded step, so it adds nothing to the counts below)
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        return {"timeline": tl, "samples": samples, "peak": mt.peak(), "loss": whole.item() / world,
+                "sent": wire_bytes(comms),
                 "comms": {n: (sum(1 for e in comms if e.name == n), sum(e.bytes for e in comms if e.name == n))
                           for n in ("all_gather", "reduce_scatter", "all_reduce")}}
 
@@ -265,10 +271,18 @@ CELLS = [
 
     ## 5. Strategies and wrapping: memory against traffic
 
-    Same model, same data, one step each. The losses must agree; peak memory and bytes moved do not.
-    HYBRID_SHARD needs a world that factors: on 4 ranks, shard within {0,1} and {2,3}, all-reduce
-    gradients across {0,2} and {1,3}. Each setting is measured with its own tracker, which counts only the
-    storages of the model and optimizer it tracks, so runs earlier in the same process do not show up.
+    Same model, same data, one step each. The `loss` column is the loss of the whole batch (each rank's
+    loss on its share, averaged over the ranks), so it must agree in every row; peak memory and bytes sent
+    do not. HYBRID_SHARD needs a world that factors: on 4 ranks, shard within {0,1} and {2,3}, all-reduce
+    gradients across {0,2} and {1,3}. The batch is the same 8 sequences in every row, so a rank holds 4 of
+    them on 2 ranks and 2 on 4 ranks: the 4-rank rows' peaks (their activations above all) compare only
+    with each other. Each setting is measured with its own tracker, which counts only the storages of the
+    model and optimizer it tracks, so runs earlier in the same process do not show up.
+
+    `sent` is what one rank sends in the step (MiB), counted as a ring sends it — nccl-tests'
+    bus-bandwidth factors: (n−1)/n of each all-gather's output and of each reduce-scatter's input,
+    2(n−1)/n of each all-reduce's buffer, with n the ranks in that collective's group (the whole world,
+    except HYBRID_SHARD's, whose all-gathers, reduce-scatters and all-reduces each run in a group of 2).
     """),
     code("""
     four_ranks = fsdp_lab.launch(compare, [("HYBRID_SHARD", "per block"), ("FULL_SHARD", "per block")],
@@ -281,13 +295,12 @@ CELLS = [
     short = {"sharded_params": "sh.par", "unsharded_params": "unsh.par", "sharded_grads": "sh.grad",
              "unsharded_grads": "unsh.grad", "optimizer_state": "optim", "activations": "activ",
              "temporaries": "temp", "comm_buffers": "comm", "other": "other"}
-    print(f"{'setting':36} {'loss':>7} {'AG':>3} {'RS':>3} {'AR':>3} {'moved':>7} {'peak':>7}   "
+    print(f"{'setting':36} {'loss':>7} {'AG':>3} {'RS':>3} {'AR':>3} {'sent':>7} {'peak':>7}   "
           "rank 0 at its peak, MiB: " + " ".join(f"{short[c]:>8}" for c in cats))
     for name, r in table.items():
         c, p = r["comms"], r["peak"]
-        moved = sum(b for _, b in c.values()) / 2**20
         print(f"{name:36} {r['loss']:7.4f} {c['all_gather'][0]:3d} {c['reduce_scatter'][0]:3d} "
-              f"{c['all_reduce'][0]:3d} {moved:7.3f} {sum(p.values()) / 2**20:7.2f}   "
+              f"{c['all_reduce'][0]:3d} {r['sent'] / 2**20:7.3f} {sum(p.values()) / 2**20:7.2f}   "
               + " ".join(f"{p.get(k, 0) / 2**20:8.3f}" for k in cats))
     """),
     code("""
@@ -318,14 +331,29 @@ CELLS = [
     print(f"unsharded parameters at the peak: " + ", ".join(f"{w} {v / 2**20:.3f} MiB" for w, v in unsh.items()))
     print(f"per linear / per block peak: {pl / pb:.3f} ({'lower' if pl < pb else 'not lower'}); "
           f"SHARD_GRAD_OP / FULL_SHARD: {sgo / pb:.3f}; NO_SHARD / FULL_SHARD: {ns / pb:.3f}")
+    sent = {n: r["sent"] for n, r in table.items()}
+    ddp = sent["NO_SHARD / per block (2 ranks)"]
+    print("sent per rank / NO_SHARD's, 2 ranks: " + ", ".join(
+        f"{n.removesuffix(' (2 ranks)')} {v / ddp:.3f}" for n, v in sent.items() if n.endswith("(2 ranks)")))
+    print(f"sent per rank, 4 ranks: HYBRID_SHARD / FULL_SHARD "
+          f"{sent['HYBRID_SHARD / per block (4 ranks)'] / sent['FULL_SHARD / per block (4 ranks)']:.3f}")
     """),
     md("""
     Read the table: SHARD_GRAD_OP skips the backward all-gathers (4 fewer) and pays with memory (the
-    gathered parameters stay from forward to backward); NO_SHARD moves gradients with one all-reduce per
-    unit and keeps everything replicated (the highest peak of the per-block settings). The wrapping rows
-    trade the other way: a whole-model unit gathers everything at once (one all-gather, the largest
-    `unsharded_params` at its peak), per-linear units the opposite (many small collectives, the smallest
-    gathered set). The lines above say, from this run's numbers, how the three FULL_SHARD peaks order.
+    gathered parameters stay from forward to backward). It sends exactly what NO_SHARD sends: a
+    reduce-scatter and an all-gather of the same bytes cost a rank what one all-reduce of them does — ZeRO-2
+    has DDP's traffic. FULL_SHARD gathers each block again in backward and sends more (the ratio above:
+    ZeRO-3's 1.5× DDP, a little less here because the root is not gathered again). NO_SHARD moves
+    gradients with one all-reduce per unit and keeps everything replicated (the highest peak of the
+    per-block settings). The wrapping rows trade the other way: a whole-model unit gathers everything at
+    once (one all-gather, the largest `unsharded_params` at its peak) and, being the root, is not gathered
+    again in backward, so it sends what NO_SHARD sends; per-linear units the opposite (many small
+    collectives, the smallest gathered set), and they send more than per-block units: the embedding and
+    output layers become units of their own, gathered again in backward, where per block they sit in the
+    root, gathered once. On 4 ranks HYBRID_SHARD sends less per rank than FULL_SHARD
+    (the last line): its all-gathers and reduce-scatters run within groups of 2, where a rank sends half
+    of each collective rather than three quarters, and its all-reduce across groups carries only the
+    gradient shard. The lines above say, from this run's numbers, how the three FULL_SHARD peaks order.
 
     ## 6. fp32 gradients: one flat buffer instead of per-parameter copies and `torch.cat`
 
@@ -371,10 +399,14 @@ CELLS = [
         print(f"{mode:6} losses {' '.join(f'≈{l:.4f}' for l in losses)}  gradient buffers peak {peak / 2**20:.3f} MiB")
     print("identical losses at every step:", result["flat"][0] == result["concat"][0],
           "| flat / concat peak:", f"{result['flat'][1] / result['concat'][1]:.3f}")
+    fp32_params = sum(p.numel() for p in Llama("cpu", seed=0).parameters()) * 4
+    print(f"the whole model's parameters in fp32: {fp32_params / 2**20:.3f} MiB")
     """),
     md("""
-    The model is one unit here, so its gradient buffers are the largest thing in backward
-    (`benchmarks/fsdp1_flat_grad.py` measures the whole step's peak too). By the same byte count,
+    The model is one unit here, so the flat buffer holds the fp32 gradient of every parameter at once: as
+    many bytes as the whole model's fp32 parameters (the last line), while `"concat"`'s per-parameter
+    copies and their concatenation coexist, twice that (`benchmarks/fsdp1_flat_grad.py` measures the whole
+    step's peak too). By the same byte count,
     PyTorch's single cast would sit between the two: a bf16 flat gradient (2 bytes per parameter) beside
     its fp32 copy (4 bytes).
 
