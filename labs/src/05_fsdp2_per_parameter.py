@@ -183,8 +183,11 @@ CELLS = [
 
     **The cost.** Every parameter's shard has its own storage, so a group's all-gather first copies all of
     them into one flat buffer (*copy-in*) and, after the collective, copies each parameter's rows out of every
-    rank's part (*copy-out*); the reduce-scatter does the same with the gradients. FSDP1 needs neither copy. And
-    the optimizer steps DTensors, paying DTensor's per-operator dispatch on the CPU. Section 9 shows
+    rank's part (*copy-out*); the reduce-scatter does the same with the gradients. FSDP1 needs no copy
+    around its all-gather: the rank's shard is already one contiguous slice of the flat parameter, and the
+    parameters are views of the gathered flat tensor. Its gradients are not free of copies: each one is
+    concatenated or added into one flat gradient before the reduce-scatter (lab 04, section 6). And the
+    optimizer steps DTensors, paying DTensor's per-operator dispatch on the CPU. Section 9 shows
     copy-in/copy-out on one group.
 
     ## 5. The life of one parameter through a step
@@ -442,8 +445,9 @@ CELLS = [
       tensor subclasses such as NF4 that choose what they all-gather, sharded state dicts without
       communication, and memory freed through events instead of `record_stream` (deterministic memory).
     * Its price: a group's all-gather is copy-in → one collective → copy-out, and its reduce-scatter the
-      reverse with the gradients; FSDP1's flat parameter needs no copies. The unsharded parameter keeps its
-      identity; only its storage comes and goes.
+      reverse with the gradients; FSDP1's flat parameter needs no copy around the all-gather (its
+      gradients are still concatenated or added into one flat gradient before the reduce-scatter). The
+      unsharded parameter keeps its identity; only its storage comes and goes.
     * `reshard_after_forward` trades memory (one block gathered at a time) for one more all-gather per block.
     * fsdp_lab's `fully_shard` and PyTorch's give the same losses and the same sharded parameters.
 
