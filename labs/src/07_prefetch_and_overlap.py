@@ -13,8 +13,9 @@ CELLS = [
     **Goals.**
 
     1. Read a collective timeline: which all-gather belongs to which block, what runs under compute.
-    2. See what prefetching buys (overlap) and what it costs (one more unit gathered), and write the
-       backward order of each prefetch setting yourself.
+    2. See what prefetching buys (overlap) and what it costs (one more unit gathered, for the settings
+       that gather the next unit while the current one is held), and write the backward order of each
+       prefetch setting yourself.
     3. Change the wrapping granularity (per block, per two blocks, whole model) and predict the counts
        and the bytes yourself.
     4. Redo a famous benchmarking mistake: compare FSDP1 with FSDP2 unfairly, then fairly, then phase
@@ -179,8 +180,12 @@ CELLS = [
     backward implicitly; `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` make it
     explicit (the `explicit` run prefetches one block ahead in both directions).
 
-    The cost: a prefetched unit is gathered while the current one is still held, so the peak of gathered
-    parameters grows by one unit. The order of events shows where each setting issues the all-gather:
+    The cost depends on when the next unit is gathered. `BACKWARD_PRE` and FSDP2's prefetch gather it
+    while the current unit is still held, so one more unit is gathered at the peak. `BACKWARD_POST`
+    frees the current unit as soon as its gradients are computed and only then issues the next
+    all-gather (`_post_backward` in `fsdp_lab/fsdp1/runtime.py`): no extra unit at the peak, and less
+    overlap, because that all-gather cannot run under the current unit's gradient computation. The order
+    of events shows where each setting issues the all-gather:
     """),
     code("""
     for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none"]:
@@ -197,8 +202,9 @@ CELLS = [
     """),
     md("""
     `BACKWARD_PRE` holds two blocks at its peak (this one and the prefetched next one); `BACKWARD_POST` and
-    `None` one. FSDP2's prefetched all-gather lands in its comm buffer (`comm_buffers`) and becomes
-    `unsharded_params` only when waited for, so its cost shows in that column and in the peak total —
+    `None` one each, `BACKWARD_POST` because it frees this block before gathering the next. FSDP2's
+    prefetched all-gather lands in its comm buffer (`comm_buffers`) and becomes `unsharded_params` only
+    when waited for, so its cost shows in that column and in the peak total —
     and in the synchronous run above, which waits for the prefetch at once: two blocks of
     `unsharded_params`.
     Keeping everything gathered (`reshard_after_forward=False`) holds all four blocks but saves four
@@ -246,6 +252,9 @@ CELLS = [
 
     Fewer, bigger units mean fewer, bigger collectives — and less to overlap with: with the whole model
     as one unit, the only all-gather comes before any compute and the only reduce-scatter after all of it.
+    That unit is also the root, which is not freed after forward (it is needed at once in backward), so
+    nothing is gathered again in backward: the whole-model wrapping gathers fewer bytes per step as well
+    (the `AG MiB` column).
     """),
     code("""
     print(table.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "peak_unsharded_mib"],
@@ -343,19 +352,25 @@ CELLS = [
     window_sd = {n: statistics.stdev(measured(n, "window")) for n in OFFLOAD}
     exposed = {n: statistics.mean(measured(n, "exposed_comm")) for n in OFFLOAD}
     count = {n: table.row(n)["all_gathers"] + table.row(n)["reduce_scatters"] for n in OFFLOAD}
+    gathered = {n: table.row(n)["gathered_mib"] for n in OFFLOAD}
     fastest = min(window, key=window.get)
     print(f"Shortest mean step window in these {REPEATS} runs: {fastest} ({window[fastest]:.1f} ± {window_sd[fastest]:.1f} ms); "
-          + "; ".join(f"{n}: {count[n]} collectives, {exposed[n]:.1f} ms of comm not hidden" for n in OFFLOAD) + ".")
+          + "; ".join(f"{n}: {count[n]} collectives, {gathered[n]:.3f} MiB gathered, {exposed[n]:.1f} ms of comm not hidden"
+                      for n in OFFLOAD) + ".")
     clear = all(window[fastest] + window_sd[fastest] < window[n] - window_sd[n] for n in OFFLOAD if n != fastest)
     if not clear:
         print(f"{fastest}'s window is not shorter than every other wrapping's by more than one standard deviation "
               "of each: in this run the spread is as large as some of the differences, so no wrapping is a clear winner.")
     elif fastest == "fsdp2 model offload":
-        print("The whole-model unit was faster beyond the spread: fewer, bigger collectives beat overlap here, "
-              "where the host-to-device copies per-block units could hide cost almost nothing.")
+        print(f"The whole-model unit was faster beyond the spread. It issues fewer collectives "
+              f"({count[fastest]} against {min(c for n, c in count.items() if n != fastest)} or more) and gathers fewer bytes "
+              f"({gathered[fastest]:.3f} MiB against {min(g for n, g in gathered.items() if n != fastest):.3f} MiB: "
+              "as the root it is not resharded after forward, so backward gathers nothing again); both beat the "
+              "overlap per-block units could get here, where the host-to-device copies they could hide cost almost nothing.")
     else:
         print(f"{fastest} was faster beyond the spread: splitting the model let enough communication hide "
-              "under compute to pay for the extra collectives.")
+              "under compute to pay for its extra collectives and for gathering its units again in backward, "
+              "which the whole-model unit (the root, kept gathered) skips.")
     """, tags=["nbval-ignore-output"]),
     md("""
     What does not vary: every repeat issued the same collectives with the same bytes and reached the
@@ -475,10 +490,15 @@ CELLS = [
     """, tags=["nbval-ignore-output"]),
     md("""
     The printed times say which implementation was fastest in this run and by how much; on FSDP2 the
-    per-parameter loop pays DTensor dispatch for every op of every parameter. The peaks of the first step
-    are printed for each repeat: they include communication buffers whose lifetime depends on when gloo
-    finishes, so read a difference between optimizer implementations into them only where the repeats
-    agree (the printed line says whether they did).
+    per-parameter loop pays DTensor dispatch for every op of every parameter. The peaks are those of each
+    run's *first* step (`compare` tracks memory only there), and the first step is the one in which
+    AdamW creates its state, inside `optimizer.step()`. Forward and backward are the same for all three
+    implementations, so where their first-step peaks differ, the difference comes from what each
+    allocates in that first `optimizer.step()` while creating the state. These numbers say nothing about
+    the peak of a later step: there the state exists from the start of the step and is held through
+    forward and backward, which the first step never sees. (The repeats show whether the first-step
+    peaks themselves vary from run to run: they include communication buffers whose lifetime depends on
+    when gloo finishes.)
 
     ## 11. Explore: two configurations, one above the other
 
@@ -545,10 +565,13 @@ CELLS = [
     * A timeline's comm events, labelled with their unit, show the order of all-gathers and reduce-scatters;
       their number and bytes follow from the wrapping alone (root + 2 per unit that reshards, 1 reduce-scatter
       per unit).
-    * Prefetching moves an all-gather earlier so it can run under compute; the price is one more unit
-      gathered at the peak. A synchronous run has the same collectives and an overlap of exactly 0. On GPUs,
-      FSDP2's forward overlap comes from the CPU running ahead onto separate streams.
-    * Coarser wrapping: fewer, bigger collectives and less to hide them under; on CPU, the repeated
+    * Prefetching moves an all-gather earlier so it can run under compute. `BACKWARD_PRE` and FSDP2's
+      prefetch pay with one more unit gathered at the peak; `BACKWARD_POST` frees the current unit first,
+      so it costs no extra unit and overlaps less than `BACKWARD_PRE`. A synchronous run has the same
+      collectives and an overlap of exactly 0. On GPUs, FSDP2's forward overlap comes from the CPU running
+      ahead onto separate streams.
+    * Coarser wrapping: fewer, bigger collectives and less to hide them under; the whole model as one unit
+      is the root, kept gathered for backward, so it gathers fewer bytes too. On CPU, the repeated
       measurements above say which won here.
     * Compare implementations only on the same model, data, seed and wrapping — `compare` refuses anything
       else unless told to — then look phase by phase, over repeated runs, and call a difference real only
