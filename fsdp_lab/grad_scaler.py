@@ -9,10 +9,11 @@ halves; after ``growth_interval`` clean steps S doubles.
 
 Under FSDP each rank holds only its shard of every gradient, so one rank can see an inf that
 the others do not. The ranks must agree, or some would step and others skip and the replicas
-drift apart: the "found inf" flag is all-reduced (MAX) across the process group before deciding.
+drift apart: the "found inf" flag is all-reduced across the process group before deciding.
 That is what PyTorch's ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` adds to
-``torch.amp.GradScaler``; this class has the same update rule and defaults (init scale 2**16,
-growth 2, backoff 0.5, interval 2000), written to be read in one sitting.
+``torch.amp.GradScaler`` (it all-reduces with the default op, SUM: any non-zero sum means skip);
+this class all-reduces with MAX (1 means skip), and has the same update rule and defaults (init
+scale 2**16, growth 2, backoff 0.5, interval 2000), written to be read in one sitting.
 
 bfloat16 keeps float32's 8 exponent bits and needs no loss scaling.
 
