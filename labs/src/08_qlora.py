@@ -63,15 +63,23 @@ CELLS = [
     md("""
     ## 2. The code book from normal quantiles
 
-    Trained weights are roughly normal. NF4 puts its 16 code values at quantiles of N(0, 1), so each
-    code is used about equally often: 8 positive values and 7 negative ones plus an exact 0, divided
-    by the largest so the ends are ±1. `build_nf4_codebook` derives them; the stored table
-    `NF4_CODEBOOK` is the one bitsandbytes and torchao use.
+    Trained weights are roughly normal. NF4 spaces its 16 code values at quantiles of N(0, 1): dense
+    near 0, where most weights are, and sparse in the tails. They are 8 positive values and 7 negative
+    ones plus an exact 0, divided by the largest so the ends are ±1. `build_nf4_codebook` derives them;
+    the stored table `NF4_CODEBOOK` is the one bitsandbytes and torchao use. Quantile spacing does not
+    make the codes equally used: each block of 64 weights is divided by its own absmax, so its largest
+    value always lands on ±1 and the others crowd toward 0. The cell counts how often each code is used
+    for normal weights: the codes near 0 most, the two ends least.
     """),
     code("""
     derived = build_nf4_codebook()
     print("max |derived - NF4_CODEBOOK| =", f"{(derived - NF4_CODEBOOK).abs().max().item():.1e}")
     print("codes:", " ".join(f"{v:+.4f}" for v in NF4_CODEBOOK.tolist()))
+    normal_packed, _ = quantize_nf4_blocks(torch.randn(2**20, generator=torch.Generator().manual_seed(0)), block_size=64)
+    usage = torch.bincount(unpack_nibbles(normal_packed).long(), minlength=16) / (2 * normal_packed.numel())
+    print("share of 2**20 normal weights per code:", " ".join(f"{100 * u:.1f}%" for u in usage.tolist()))
+    print(f"least used {100 * usage.min().item():.1f}% (code {usage.argmin().item()}), "
+          f"most used {100 * usage.max().item():.1f}% (code {usage.argmax().item()}); equal use would be {100 / 16:.2f}%")
 
     fig, ax = plt.subplots(figsize=(8, 3))
     xs = torch.linspace(-1.1, 1.1, 400)
@@ -301,7 +309,8 @@ CELLS = [
     ### All-gather bytes: NF4 against bf16
 
     One block's all-gather carries its 7 NF4 weights plus its norms and adapters. Had the same weights been
-    bf16, each would move 2 bytes per value.
+    bf16, each would move 2 bytes per value; the adapters and norms would be the same float32 bytes either
+    way, so the comparison keeps them float32 on both sides.
     """),
     code("""
     cfg_cpu = LlamaConfig.from_name("cpu")
@@ -315,13 +324,13 @@ CELLS = [
     print("all-gather of layers.0 (bytes, both ranks' shards):", block_gathers)
     print("  of which NF4 ~ values/2 + values/64 =", f"{linear_values // 2 + linear_values // 64:,}")
     print("  adapters + norms in float32         =", f"{4 * adapters_and_norms:,}")
-    nf4_block = block_gathers[0]                       # measured: NF4 linears + float32 adapters and norms
-    bf16_block = 2 * (linear_values + adapters_and_norms)  # the same block, every value in bf16
-    print("the same block in bf16 would move     =", f"{bf16_block:,}",
+    nf4_block = block_gathers[0]                        # measured: NF4 linears + float32 adapters and norms
+    bf16_block = 2 * linear_values + 4 * adapters_and_norms  # the same block with bf16 linears, same float32 rest
+    print("the same block with bf16 linears      =", f"{bf16_block:,}",
           f"({bf16_block / nf4_block:.2f}x the NF4 block's all-gather)")
     print(f"float32 adapters + norms are {4 * adapters_and_norms / nf4_block:.0%} of the NF4 block's all-gather: "
           f"the NF4 linears alone are {2 * linear_values / (linear_values // 2 + linear_values // 64):.2f}x "
-          f"smaller than in bf16, the block only {bf16_block / nf4_block:.2f}x")
+          f"smaller than in bf16, the whole block only {bf16_block / nf4_block:.2f}x")
     """),
     md("""
     ### Frozen parameters are resharded too
@@ -342,8 +351,8 @@ CELLS = [
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
     plot_breakdown({f"rank {i}": r["memory"].peak for i, r in enumerate(runs)}, ax=axes[0], unit="KiB",
                    title="QLoRA on 2 ranks: memory at the peak")
-    labels = ["NF4 block\\n(measured)", "same block\\nin bf16"]
-    axes[1].bar(labels, [block_gathers[0] / 1024, 2 * (linear_values + adapters_and_norms) / 1024],
+    labels = ["NF4 block\\n(measured)", "same block,\\nbf16 linears"]
+    axes[1].bar(labels, [nf4_block / 1024, bf16_block / 1024],
                 color=["tab:purple", "tab:gray"])
     axes[1].set_ylabel("KiB per all-gather"); axes[1].set_title("bytes moved to unshard one block")
     fig.tight_layout(); files.savefig(fig, "qlora_two_ranks.png", dpi=90)
@@ -394,7 +403,9 @@ CELLS = [
       memory (`torch.cuda.max_memory_reserved`) with the script's defaults: LoRA rank 64 on q, k, v, gate, up
       and down (not o), batch 1 × 512, reentrant gradient checkpointing, pure bf16, FSDP1 + bitsandbytes.
 
-    The estimator counts *live* bytes for the same shapes (with gradient checkpointing in both settings):
+    The estimator counts *live* bytes for the same model and batch shapes (with gradient checkpointing in
+    both settings), with adapters on all seven linears of each block (`LORA_TARGETS` in
+    `fsdp_lab/memory/estimate.py`) where Answer.AI's run has six (not o):
     """),
     code("""
     def live_gib(strategy="fsdp2", rank=8, batch=1, seq=512):
@@ -475,6 +486,14 @@ CELLS = [
     fig, text = render(8, 64, True, 2)
     print(text)
     files.savefig(fig, "explore_7b.png", dpi=90)
+    c7, world = LlamaConfig.from_name("llama2-7b"), 2
+    frozen = 2 * (2 * c7.vocab_size * c7.dim + (2 * c7.n_layers + 1) * c7.dim) / world  # bf16 embeddings, output, norms
+    for lora_rank in (8, 64):
+        per_rank, _, _ = seven_b(lora_rank, 64, True, world)
+        adapters = per_rank["sharded_params"] - frozen + per_rank["sharded_grads"] + per_rank["optimizer_state"]
+        print(f"LoRA rank {lora_rank:2d}, GiB per rank of {world}: NF4 weights {per_rank['quantized'] / 2**30:.2f}, "
+              f"adapters with grads and AdamW state {adapters / 2**30:.2f}, frozen embeddings + norms + output "
+              f"{frozen / 2**30:.2f} -> adapters {'larger' if adapters > frozen else 'smaller'} than the frozen part")
     """),
     code("""
     explorer = Explorer({
@@ -487,8 +506,10 @@ CELLS = [
     """, tags=["nbval-ignore-output"]),
     md("""
     Smaller blocks track the weights more closely but cost more scale bytes; double quantization makes that
-    cost small. The adapters barely show at any rank that matters; the frozen embeddings and output layer
-    (bf16) are the largest part after the NF4 weights.
+    cost small. At LoRA rank 8 the adapters, with their gradients and AdamW state, are smaller than the
+    frozen bf16 embeddings, norms and output layer, which then are the largest part after the NF4
+    weights; at LoRA rank 64 (Answer.AI's setting) the adapters are the larger of the two, though still
+    smaller than the NF4 weights (the lines printed above).
 
     ## 10. Exercise: the nearest-code lookup
 
@@ -516,8 +537,9 @@ CELLS = [
     * `NF4Tensor` is a tensor subclass: the model sees a float weight, `F.linear` dequantizes on the fly,
       other aten ops reach `__torch_dispatch__`.
     * LoRA trains two small matrices per linear; under FSDP2 the NF4 weights are sharded by whole blocks
-      and all-gathered as bytes (4.127 / 16 ≈ 0.26 of bf16 for the linears; with the float32 adapters and
-      norms a whole block saves much less), frozen yet resharded like any parameter.
+      and all-gathered as bytes, frozen yet resharded like any parameter. The NF4 linears move about a
+      quarter of their bf16 bytes; a whole block's all-gather, whose float32 adapters and norms weigh the
+      same either way, shrinks by less (both ratios printed in section 7).
     * Published Llama-2-7B figures are allocator readings (reserved memory); the estimator counts live
       bytes. At small batches the difference is mostly the caching allocator's reserve from loading.
 
