@@ -65,7 +65,8 @@ CELLS = [
     n_params = sum(p.numel() for p in model.parameters())
     print(type(model).__name__, "|", len(model.model.layers), "decoder layers |", f"{n_params:,} parameters")
     print("decoder layer class:", type(model.model.layers[0]).__name__)
-    print("one process, 2 SGD steps, losses:", [round(x, 6) for x in lab10.train_losses(make_model())])
+    one_process = lab10.train_losses(make_model())
+    print("one process, 2 SGD steps, losses:", [round(x, 6) for x in one_process])
     """),
     md("""
     ## 2. Exercise: shard it with FSDP2
@@ -93,17 +94,26 @@ CELLS = [
     The same step on 2 ranks three ways: fsdp_lab's FSDP2 (one group per decoder layer and the root),
     FSDP1 (`FullyShardedDataParallel` with one unit per decoder layer), and QLoRA (NF4 base weights plus
     rank-4 adapters) under FSDP2. Each rank reports the peak bytes per category its `MemoryTracker` saw
-    and its collectives on a `Timeline`.
+    and its collectives on a `Timeline`. The loss printed is the mean over both ranks (each rank's loss
+    is that of its half of the batch), all-reduced after the recorded step; it is checked against the
+    first loss of the one-process run above, which saw the whole batch. QLoRA's loss is not expected to
+    match it: its adapters start at zero, but its base weights are NF4-rounded.
     """),
     code("""
     def one_step(kind):
         import torch.distributed as dist
         from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy
+        from fsdp_lab.qlora import NF4Tensor
         rank, world = dist.get_rank(), dist.get_world_size()
         model = make_model()
+        nf4 = None
         if kind == "QLoRA + FSDP2":
             torch.manual_seed(1)
             apply_lora(model, rank=4, alpha=8)
+            quantized = [p for p in model.model.layers[0].parameters() if isinstance(p, NF4Tensor)]
+            nf4 = {"stored": sum(p.storage_bytes() for p in quantized), "float32": 4 * sum(p.numel() for p in quantized),
+                   "rest": sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters()
+                               if not isinstance(p, NF4Tensor))}          # adapters and norms, float32
         if kind == "FSDP1":
             model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}))
         else:
@@ -117,23 +127,45 @@ CELLS = [
             loss.backward()
             opt.step()
             opt.zero_grad()
-        comms = [(e.name, e.bytes) for e in sorted(tl.comm_events(rank), key=lambda e: e.t_start)]
-        return {"max": mt.max_by_category(), "timeline": tl, "comms": comms, "loss": loss.item()}
+        mean_loss = loss.detach().clone()          # after the recorded step: not in the timeline or the memory
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
+        comms = [(e.name, e.args.get("module"), e.bytes) for e in sorted(tl.comm_events(rank), key=lambda e: e.t_start)]
+        return {"max": mt.max_by_category(), "timeline": tl, "comms": comms, "loss": mean_loss.item(), "nf4": nf4}
 
     KINDS = ("FSDP2", "FSDP1", "QLoRA + FSDP2")
     runs = {kind: fsdp_lab.launch(one_step, kind, world_size=2) for kind in KINDS}
     kib = lambda b: f"{b / 1024:8.1f} KiB"
     for kind, results in runs.items():
         r0 = results[0]
-        gathers = [b for name, b in r0["comms"] if name == "all_gather"]
-        print(f"{kind:14} loss {r0['loss']:.6f} | all-gathers {len(gathers):2d} ({kib(sum(gathers))}) | "
-              f"reduce-scatters {sum(n == 'reduce_scatter' for n, _ in r0['comms']):2d}")
+        gathers = [b for name, _, b in r0["comms"] if name == "all_gather"]
+        print(f"{kind:14} loss {r0['loss']:.6f} (mean over ranks) | all-gathers {len(gathers):2d} ({kib(sum(gathers))}) | "
+              f"reduce-scatters {sum(n == 'reduce_scatter' for n, _, _ in r0['comms']):2d}")
         print("   peak per category (rank 0):",
               ", ".join(f"{k} {kib(v).strip()}" for k, v in r0["max"].items() if v))
+    for kind in ("FSDP2", "FSDP1"):
+        print(f"{kind} loss equal to one process's first loss ({one_process[0]:.6f}) within 1e-5:",
+              abs(runs[kind][0]["loss"] - one_process[0]) < 1e-5)
+    print("QLoRA + FSDP2 loss differs from one process's by more than 1e-5 (its base weights are NF4):",
+          abs(runs["QLoRA + FSDP2"][0]["loss"] - one_process[0]) > 1e-5)
+
+    layer = "model.layers.0"                         # the first decoder layer's group
+    layer_gather = {kind: next(b for name, module, b in runs[kind][0]["comms"] if name == "all_gather" and module == layer)
+                    for kind in ("FSDP2", "QLoRA + FSDP2")}
+    nf4 = runs["QLoRA + FSDP2"][0]["nf4"]
+    print(f"{layer}'s all-gather: {layer_gather['FSDP2']:,} bytes in float32, {layer_gather['QLoRA + FSDP2']:,} with QLoRA "
+          f"({layer_gather['QLoRA + FSDP2'] / layer_gather['FSDP2']:.2f} of float32)")
+    print(f"   its NF4 linears: {nf4['stored']:,} bytes against {nf4['float32']:,} in float32 "
+          f"({nf4['stored'] / nf4['float32']:.3f} of float32, {2 * nf4['stored'] / nf4['float32']:.3f} of bf16)")
+    print(f"   its float32 adapters and norms: {nf4['rest']:,} bytes; the remaining "
+          f"{layer_gather['QLoRA + FSDP2'] - nf4['stored'] - nf4['rest']:,}: each rank sends its own copy of every NF4 "
+          "weight's double-quantization factor and mean, counted once in the stored bytes (fsdp_lab/qlora/nf4_fsdp.py)")
     """),
     md("""
-    FSDP1 and FSDP2 move the same bytes for the same model; with QLoRA the all-gathers carry NF4 codes and
-    scales (about a quarter of the float32 bytes for the quantized layers) and only the adapters'
+    FSDP1 and FSDP2 move the same bytes for the same model and reach the one-process loss. With QLoRA a
+    decoder layer's all-gather carries the NF4 codes and scales of its linears, about an eighth of their
+    float32 bytes (a quarter of bf16), with the float32 adapters and norms riding along: the whole layer's
+    all-gather comes to about a quarter of its float32 size (the printed ratios). Only the adapters'
     gradients are reduce-scattered. The figure shows rank 0's peak bytes per category and the timeline
     of both ranks for each run; the widget below switches between them.
     """),
@@ -211,7 +243,8 @@ CELLS = [
     ## Summary
 
     * A `transformers` model shards like any module: `fully_shard` each decoder layer and the root (FSDP2), or
-      wrap with `ModuleWrapPolicy({DecoderLayerClass})` (FSDP1); the losses equal one process's.
+      wrap with `ModuleWrapPolicy({DecoderLayerClass})` (FSDP1); the loss averaged over ranks equals one
+      process's (to 1e-5, printed in section 3).
     * `apply_lora` finds Hugging Face's layer names by default; under FSDP the NF4 bytes, not floats, travel.
     * `MemoryTracker` and `Timeline` read a Hugging Face model's step as they read any other.
     * The adapters are what a fine-tune produces: PEFT's keys and config make them loadable with
