@@ -146,12 +146,14 @@ CELLS = [
         if est[c] or peak[c]:
             print(f"{c:<16}{est[c]:>12,}{peak[c]:>12,}")
     print(f"{'total':<16}{est.total:>12,}{mt.peak_total():>12,}   ratio {mt.peak_total() / est.total:.4f}")
+    print(f"measured - estimated: {mt.peak_total() - est.total:,} bytes")
     ax = plot_estimate_vs_measured(est, peak, unit="MiB", title="CPU Llama, batch 4 x 128, float32")
     files.savefig(ax.figure, "estimate_vs_measured.png", dpi=100, bbox_inches="tight")
     """),
     md("""
     Model states match to the byte; activations match because the estimator's formula counts exactly what
-    this Llama saves (see `docs/memory.md`). Eight bytes of difference are the loss scalar and its gradient.
+    this Llama saves (see `docs/memory.md`). The difference printed last is the loss scalar and its gradient
+    (4 bytes each in float32), which the estimate leaves out.
 
     ## 4. Memory over one step
 
