@@ -179,16 +179,21 @@ def _part_dcp():
     return out
 
 
-def _part_memory():
-    """Unsharded bytes alive wherever an all-gather lands, sharded bytes, the tracker's view (2 ranks)."""
+def _four_layers_and_batch():
+    """The CPU Llama's config and this rank's share of step 0's batch."""
     import torch.distributed as dist
 
-    from fsdp_lab.fsdp2 import FSDPModule, FSDPParamGroup, fully_shard
-
-    world = dist.get_world_size()
-    out = {}
     cfg = LlamaConfig.from_name("cpu")  # 4 layers: "largest groups alive" differs from "whole model"
-    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), world)
+    return cfg, shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), dist.get_world_size())
+
+
+def _part_memory():
+    """Unsharded bytes alive wherever an all-gather lands, sharded bytes, the tracker's view (2 ranks)."""
+    from fsdp_lab.fsdp2 import FSDPModule, FSDPParamGroup, fully_shard
+    from fsdp_lab.memory.tracker import MemoryTracker
+
+    out = {}
+    cfg, batch = _four_layers_and_batch()
 
     # memory: unsharded bytes alive at every point an all-gather lands
     original_wait = FSDPParamGroup.wait_for_unshard
@@ -213,27 +218,19 @@ def _part_memory():
             "sharded": {k: v.to_local().untyped_storage().nbytes() for k, v in model.state_dict().items()},
         }
         if raf:
-            try:
-                from fsdp_lab.memory.tracker import MemoryTracker
-                model.zero_grad()
-                with MemoryTracker(model) as tracker:
-                    model(batch.input_ids, batch.labels).loss.backward()
-                out["tracker_max"] = tracker.max_by_category()
-            except ImportError:
-                out["tracker_max"] = None
+            model.zero_grad()
+            with MemoryTracker(model) as tracker:
+                model(batch.input_ids, batch.labels).loss.backward()
+            out["tracker_max"] = tracker.max_by_category()
     return out
 
 
 def _part_prefetch_order():
     """The order of all-gathers: implicit backward prefetch and explicit forward prefetch (2 ranks)."""
-    import torch.distributed as dist
-
     from fsdp_lab.fsdp2 import FSDPParamGroup, fully_shard
 
-    world = dist.get_world_size()
     out = {}
-    cfg = LlamaConfig.from_name("cpu")  # 4 layers: "largest groups alive" differs from "whole model"
-    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), world)
+    cfg, batch = _four_layers_and_batch()
 
     # order of all-gathers: implicit backward prefetch and explicit forward prefetch
     log = []
@@ -268,14 +265,13 @@ def _part_prefetch_order():
 
 def _part_unshard_api():
     """The public unshard / reshard API (2 ranks)."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from fsdp_lab.fsdp2 import fully_shard
 
     out = {}
-    model = _shard_llama(Llama(LlamaConfig.from_name("cpu"), seed=0), fully_shard, reshard_after_forward=True)
-    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=0), dist.get_rank(), dist.get_world_size())
+    cfg, batch = _four_layers_and_batch()
+    model = _shard_llama(Llama(cfg, seed=0), fully_shard, reshard_after_forward=True)
     model(batch.input_ids, batch.labels).loss.backward()  # one step first: the root's lazy init has run
     layer = model.layers[0]
     handle = layer.unshard(async_op=True)

@@ -210,8 +210,6 @@ def test_sharded_bytes_are_ceil_divided(extras):
 
 
 def test_tracker_sees_unsharded_params_of_largest_groups(extras):
-    if extras["tracker_max"] is None:
-        pytest.skip("fsdp_lab.memory.tracker not available")
     root_bytes, layer_bytes = _group_bytes(LlamaConfig.from_name("cpu"), 2)
     assert extras["tracker_max"]["unsharded_params"] == root_bytes + layer_bytes
 
