@@ -12,10 +12,16 @@ on the same data and refuses otherwise (``allow_mismatch=True`` to override): a 
 different models says nothing about the implementations.
 
 Per run and step (last step's timeline, rank 0 unless noted):
-* step_ms: mean wall time of the steps after the first (which warms up and allocates);
-* peak_total_mib: the highest tracked total of the first step; peak_unsharded_mib /
+* step_ms: mean wall time of the untracked steps after the second (the first warms up: AdamW
+  creates its state, FSDP1 records the execution order its forward prefetch follows; the second
+  is measured by MemoryTracker);
+* peak_total_mib: the highest tracked total of the second step, the first that repeats, so the
+  optimizer's state is held through forward and backward as in every later step; peak_unsharded_mib /
   peak_comm_mib: the highest "unsharded_params" / "comm_buffers" reached (MemoryTracker;
-  a prefetched all-gather sits in comm buffers until it is waited for);
+  a prefetched all-gather sits in comm buffers until it is waited for); peak_by_category: each
+  category's own highest bytes; at_peak: the bytes of each category at the moment of the total peak;
+  peak_phase: the last phase boundary before the total peak ("backward layers.2 end": in the backward
+  of the block before it; "optimizer step start": inside optimizer.step());
 * all_gathers / reduce_scatters, gathered_bytes / reduced_bytes: collectives of one step;
 * overlap: fraction of comm time hidden under compute (mean over ranks);
 * loss: the last step's loss (the mean over ranks).
@@ -38,6 +44,9 @@ WRAPPINGS = ("block", "two_blocks", "model")
 OPTIMIZERS = ("for_loop", "foreach", "fused")
 FSDP1_PREFETCH = ("backward_pre", "backward_post", "none")
 FSDP2_PREFETCH = ("implicit", "explicit", "none")
+# step 0 warms up (optimizer state, FSDP1's recorded order), step 1 is tracked, steps >= 2 are timed
+MEMORY_STEP = 1
+MIN_STEPS = MEMORY_STEP + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,17 +227,18 @@ def run_on_rank(configs: list[RunConfig], model_name: str, steps: int, batch_siz
         data_seed = seed if config.data_seed is None else config.data_seed
         previous = param_group.set_synchronous(config.synchronous)
         try:
-            losses, times, peak, timeline = [], [], {}, None
+            losses, times, peak, at_peak, peak_phase, timeline = [], [], {}, {}, "", None
             for step in range(steps):
                 batch = shard_batch(global_batch(vocab, batch_size, seq_len, seed=data_seed, step=step),
                                     rank, world_size)
                 dist.barrier()
                 start = time.perf_counter()
-                if step == 0:
+                if step == MEMORY_STEP:
                     with MemoryTracker(model, optimizer) as tracker:
                         loss = _train_step(model, optimizer, batch, None)
                     peak = tracker.max_by_category()
                     peak["total"] = tracker.peak_total()
+                    at_peak, peak_phase = tracker.peak(), tracker.result().peak_label
                 elif step == steps - 1:
                     with Timeline() as timeline:
                         handles = attach_units(timeline, model, units)
@@ -242,6 +252,7 @@ def run_on_rank(configs: list[RunConfig], model_name: str, steps: int, batch_siz
         finally:
             param_group.set_synchronous(previous)
         results.append({"name": config.name, "losses": losses, "step_seconds": times, "peak": peak,
+                        "at_peak": at_peak, "peak_phase": peak_phase,
                         "timeline": timeline, "num_params": num_params,
                         "data_seed": data_seed})
         del model, optimizer, units  # nothing of this run may outlive it into the next one
@@ -349,19 +360,21 @@ def check_comparable(configs: list[RunConfig], model: str, seed: int, batch_size
     return problems
 
 
-def compare(runs: list, *, model: str = "cpu", steps: int = 3, world_size: int = 2, batch_size: int = 4,
+def compare(runs: list, *, model: str = "cpu", steps: int = MIN_STEPS, world_size: int = 2, batch_size: int = 4,
             seq_len: int = 32, seed: int = 0, lr: float = 1e-3, allow_mismatch: bool = False,
             timeout: float = 300.0) -> CompareResult:
     """Run every configuration in ``runs`` on identical model/data/seed and tabulate them.
 
     ``runs``: dicts of ``RunConfig`` fields or ``RunConfig``s (names must be unique).
-    ``model``: a Llama config name; ``steps`` >= 2 training steps of a global batch of
+    ``model``: a Llama config name; ``steps`` >= 3 training steps of a global batch of
     ``batch_size`` sequences of ``seq_len`` tokens, split over ``world_size`` ranks. All runs
-    share one ``fsdp_lab.launch``. Returns a ``CompareResult`` (rows in the order given).
+    share one ``fsdp_lab.launch``. The first step warms up, ``MemoryTracker`` measures the
+    second (the first that repeats: the optimizer's state is held throughout it), the later
+    ones are timed. Returns a ``CompareResult`` (rows in the order given).
 
     Raises:
         ValueError: runs whose parameter count or data differ (unless ``allow_mismatch``),
-            duplicate names, steps < 2, a batch not divisible by world_size, a bad setting.
+            duplicate names, steps < 3, a batch not divisible by world_size, a bad setting.
         TypeError: a run that is neither a dict nor a RunConfig, or has unknown settings.
     """
     configs = [_as_config(r) for r in runs]
@@ -370,8 +383,9 @@ def compare(runs: list, *, model: str = "cpu", steps: int = 3, world_size: int =
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"run names must be unique, got {names}; give runs a 'name'")
-    if steps < 2:
-        raise ValueError(f"steps must be >= 2 (the first step warms up and measures memory), got {steps}")
+    if steps < MIN_STEPS:
+        raise ValueError(f"steps must be >= {MIN_STEPS} (the first step warms up, the second is measured by "
+                         f"MemoryTracker, the rest are timed), got {steps}")
     if batch_size % world_size:
         raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
     problems = check_comparable(configs, model, seed, batch_size, seq_len)
@@ -399,7 +413,7 @@ def _row(config: RunConfig, ranks: list[dict], tl) -> dict:
     reduces = tl.comm_events(0, "reduce_scatter")
     overlap = tl.overlap()
     phases = tl.phase_summary()
-    timed = [t for r in ranks for t in r["step_seconds"][1:]]
+    timed = [t for r in ranks for t in r["step_seconds"][MEMORY_STEP + 1:]]
     peak = rank0["peak"]
     return {
         "name": config.name, "implementation": config.implementation, "wrapping": config.wrapping,
@@ -409,6 +423,7 @@ def _row(config: RunConfig, ranks: list[dict], tl) -> dict:
         "peak_unsharded_mib": peak.get("unsharded_params", 0) / mib,
         "peak_comm_mib": peak.get("comm_buffers", 0) / mib,
         "peak_by_category": {k: v for k, v in peak.items() if k != "total"},
+        "at_peak": dict(rank0["at_peak"]), "peak_phase": rank0["peak_phase"],
         "all_gathers": len(gathers), "reduce_scatters": len(reduces),
         "gathered_bytes": sum(e.bytes for e in gathers), "reduced_bytes": sum(e.bytes for e in reduces),
         "gathered_mib": sum(e.bytes for e in gathers) / mib, "reduced_mib": sum(e.bytes for e in reduces) / mib,

@@ -19,7 +19,7 @@ RUNS = [
     dict(name="fsdp1 pre", implementation="fsdp1"),
     dict(name="fsdp1 post", implementation="fsdp1", prefetch="backward_post"),
     dict(name="fsdp1 none", implementation="fsdp1", prefetch="none"),
-    dict(name="fsdp1 fwd", implementation="fsdp1", forward_prefetch=True),
+    dict(name="fsdp1 fwd", implementation="fsdp1", prefetch="none", forward_prefetch=True),
     dict(name="fsdp1 model", implementation="fsdp1", wrapping="model"),
     dict(name="fused", optimizer="fused"),
     dict(name="for_loop", optimizer="for_loop"),
@@ -31,7 +31,7 @@ RUNS = [
 @functools.lru_cache(maxsize=None)
 def results():
     from fsdp_lab.compare import compare
-    return compare(RUNS, steps=2, world_size=2, batch_size=4, seq_len=32, timeout=600)
+    return compare(RUNS, steps=3, world_size=2, batch_size=4, seq_len=32, timeout=600)
 
 
 def sequence(table, name, rank=0):

@@ -74,6 +74,24 @@ def test_unsharded_memory_counts_the_gathered_units(table):
     # FSDP1 BACKWARD_PRE gathers the next block before freeing this one: one more unit
     assert unsharded("fsdp1 pre") == root + 2 * block
     assert unsharded("fsdp1 none") == root + block
+    # forward_prefetch (backward prefetch off) follows the order recorded in the first step: in the
+    # measured step forward holds the next block while this one computes
+    assert unsharded("fsdp1 fwd") == root + 2 * block
+
+
+# AdamW keeps exp_avg and exp_avg_sq of every parameter shard (float32) and a 4-byte `step` tensor
+# per parameter: 9 per block (wq wk wv wo w1 w2 w3, two norms) and 3 in the root
+PARAM_TENSORS = 9 * LAYERS + 3
+
+
+def test_memory_is_measured_in_a_step_that_repeats(table):
+    """The tracked step is one after AdamW created its state: at the moment of the peak the whole
+    state is held (in the first step it appears only inside optimizer.step())."""
+    half = FP32 * (ROOT_NUMEL + LAYERS * LAYER_NUMEL) // 2
+    for row in table:
+        assert row["at_peak"]["optimizer_state"] == 2 * half + 4 * PARAM_TENSORS, row["name"]
+        assert row["at_peak"]["sharded_params"] == half, row["name"]
+        assert round(row["peak_total_mib"] * MIB) == sum(row["at_peak"].values()), row["name"]
 
 
 def test_each_run_is_measured_as_if_alone(table):
@@ -110,13 +128,13 @@ def test_table_prints_every_run(table):
 def test_refuses_different_parameter_counts():
     from fsdp_lab.compare import compare
     with pytest.raises(ValueError, match="parameter count differs.*803,968.*allow_mismatch"):
-        compare([{"name": "a"}, {"name": "b", "model": "cpu-tied"}], steps=2)
+        compare([{"name": "a"}, {"name": "b", "model": "cpu-tied"}])
 
 
 def test_refuses_different_data():
     from fsdp_lab.compare import compare
     with pytest.raises(ValueError, match="data differs"):
-        compare([{"name": "a"}, {"name": "b", "data_seed": 1}], steps=2)
+        compare([{"name": "a"}, {"name": "b", "data_seed": 1}])
 
 
 def test_bad_settings_are_named():
@@ -129,6 +147,8 @@ def test_bad_settings_are_named():
         compare([{"wraping": "block"}])
     with pytest.raises(ValueError, match="unique"):
         compare([{}, {}])
+    with pytest.raises(ValueError, match="steps must be >= 3"):
+        compare([{}], steps=2)
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ def table():
             dict(name="fsdp1 block pre", implementation="fsdp1", prefetch="backward_pre"),
             dict(name="fsdp1 block post", implementation="fsdp1", prefetch="backward_post"),
             dict(name="fsdp1 block none", implementation="fsdp1", prefetch="none")]
-    return compare(runs, model="cpu", steps=2, world_size=2, batch_size=4, seq_len=32)
+    return compare(runs, model="cpu", steps=3, world_size=2, batch_size=4, seq_len=32)
 
 
 def test_recorded_orders_agree_between_fsdp1_and_fsdp2(table):

@@ -71,8 +71,10 @@ CELLS = [
 
     `fsdp_lab.compare` builds the same model from the same seed for each configuration, trains it on the
     same batches and records the last step's timeline on every rank — all configurations in one launch of
-    2 ranks. The table has the counts and bytes of one step, the peak of gathered parameters in the
-    first step (MemoryTracker) and the loss.
+    2 ranks. Each configuration trains three steps: the first warms up (AdamW creates its state),
+    MemoryTracker measures the second, the first step that repeats, and the third is timed with its
+    timeline recorded. The table has the counts and bytes of one step, the peak of gathered parameters
+    and the loss.
     """),
     code("""
     RUNS = [
@@ -95,7 +97,7 @@ CELLS = [
         dict(name="fsdp1 block for_loop", implementation="fsdp1", optimizer="for_loop"),
         dict(name="fsdp1 block fused", implementation="fsdp1", optimizer="fused"),
     ]
-    table = compare(RUNS, model="cpu", steps=2, world_size=2, batch_size=4, seq_len=32)
+    table = compare(RUNS, model="cpu", steps=3, world_size=2, batch_size=4, seq_len=32)
     row = table.row("fsdp2 block")
     print("measured == worked out by hand:", all(row[k] == v for k, v in expected.items()))
     """),
@@ -303,7 +305,7 @@ CELLS = [
     TIMED = ["fsdp2 block", "fsdp2 block synchronous", "fsdp2 block offload", "fsdp2 two_blocks offload",
              "fsdp2 model offload", "fsdp1 block pre", "fsdp2 block for_loop", "fsdp2 block fused",
              "fsdp1 block for_loop", "fsdp1 block fused"]
-    repeats = [table] + [compare([r for r in RUNS if r["name"] in TIMED], model="cpu", steps=2, world_size=2,
+    repeats = [table] + [compare([r for r in RUNS if r["name"] in TIMED], model="cpu", steps=3, world_size=2,
                                  batch_size=4, seq_len=32) for _ in range(REPEATS - 1)]
 
     def measured(name, key):
@@ -401,7 +403,7 @@ CELLS = [
     UNFAIR = [dict(name="fsdp1 (tied, whole model)", implementation="fsdp1", wrapping="model", model="cpu-tied"),
               dict(name="fsdp2 (per block)", implementation="fsdp2", wrapping="block")]
     try:
-        compare(UNFAIR, steps=2)
+        compare(UNFAIR)
     except ValueError as error:
         print("ValueError:", error)
     """),
@@ -411,7 +413,7 @@ CELLS = [
     smaller model and a coarser wrapping.
     """),
     code("""
-    unfair = compare(UNFAIR, steps=2, allow_mismatch=True)
+    unfair = compare(UNFAIR, allow_mismatch=True)
     print(unfair.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "reduced_mib"]))
     print("parameters:", {r["name"]: r["num_params"] for r in unfair})
     """),
@@ -479,26 +481,26 @@ CELLS = [
         print(f"{impl}: fastest to slowest in this run: {' < '.join(order)} "
               f"(for_loop / fused = {runs['for_loop'] / runs['fused']:.1f}x)")
     print()
-    print(f"{'run':22} {'peak total MiB, first step, each repeat':>40}")
+    print(f"{'run':22} {'peak total MiB, second step, each repeat':>41}   peak after (first repeat)")
     peaks = {n: [run.row(n)["peak_total_mib"] for run in repeats] for n in names}
     for n in names:
-        print(f"{LABELS.get(n, n):22} {', '.join(f'{v:.2f}' for v in peaks[n]):>40}")
+        print(f"{LABELS.get(n, n):22} {', '.join(f'{v:.2f}' for v in peaks[n]):>41}   {table.row(n)['peak_phase']}")
     print("every run's peak the same in all repeats:", all(len(set(v)) == 1 for v in peaks.values()))
     for impl, group in (("fsdp2", names[:3]), ("fsdp1", names[3:])):
         print(f"{impl}: for_loop / foreach / fused peaks (first repeat): "
-              + " / ".join(f"{peaks[n][0]:.2f}" for n in group) + " MiB")
+              + " / ".join(f"{peaks[n][0]:.2f}" for n in group) + " MiB; peak inside optimizer.step(): "
+              + " / ".join(str(table.row(n)["peak_phase"] == "optimizer step start") for n in group))
     """, tags=["nbval-ignore-output"]),
     md("""
     The printed times say which implementation was fastest in this run and by how much; on FSDP2 the
     per-parameter loop pays DTensor dispatch for every op of every parameter. The peaks are those of each
-    run's *first* step (`compare` tracks memory only there), and the first step is the one in which
-    AdamW creates its state, inside `optimizer.step()`. Forward and backward are the same for all three
-    implementations, so where their first-step peaks differ, the difference comes from what each
-    allocates in that first `optimizer.step()` while creating the state. These numbers say nothing about
-    the peak of a later step: there the state exists from the start of the step and is held through
-    forward and backward, which the first step never sees. (The repeats show whether the first-step
-    peaks themselves vary from run to run: they include communication buffers whose lifetime depends on
-    when gloo finishes.)
+    run's second step, the first one that repeats: AdamW created its state in the first step, so the
+    state is held from the start of this one, through forward and backward. Printed beside each peak is
+    the last phase boundary before it. Forward and backward are the same for all three implementations,
+    so a peak that falls there cannot tell them apart; what each allocates in `optimizer.step()` (the
+    foreach and fused kernels work on many tensors at once) shows in the peak only when the peak falls
+    inside the step. (The repeats show whether the peaks themselves vary from run to run: they include
+    communication buffers whose lifetime depends on when gloo finishes.)
 
     ## 11. Explore: two configurations, one above the other
 
