@@ -1,20 +1,16 @@
-"""fsdp_lab.launch: results, prints, failures, hangs, interrupts, and no process left behind.
+"""fsdp_lab.launch when it works: results, prints, any caller and any function, bad arguments.
 
 Every launch costs a few seconds of torch imports on 2 cores, so the passing runs are shared
-by a module-scoped fixture and each failure mode gets exactly one launch.
+by a module-scoped fixture. Failures (raises, hangs, deadlocks, interrupts) are in
+tests/test_launch_failures.py.
 """
 
 import contextlib
 import io
 import os
-import select
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,25 +20,9 @@ import fsdp_lab
 from fsdp_lab import collectives
 from fsdp_lab.dist import comm_needs_host_staging, current_device, init_distributed, is_simulated
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
+from _launch_helpers import REPO, alive, env_with_repo
 
-REPO = Path(__file__).resolve().parents[1]
 N_LINES = 25
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _record_pid(pid_dir) -> None:
-    Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
-
-
-def _pids(pid_dir) -> list[int]:
-    return [int(p.read_text()) for p in sorted(Path(pid_dir).glob("rank*.pid"))]
 
 
 # ------------------------------------------------------------------ passing runs (shared)
@@ -141,9 +121,9 @@ def test_several_printing_ranks_get_prefixes_and_keep_their_order(runs):
 
 
 def test_back_to_back_launches_use_new_processes_and_leave_none(runs):
-    pids = [r["pid"] for name in ("single", "all", "one") for r in runs[name][0]]
-    assert len(set(pids)) == 5 and os.getpid() not in pids
-    assert not any(_alive(pid) for pid in pids)
+    rank_pids = [r["pid"] for name in ("single", "all", "one") for r in runs[name][0]]
+    assert len(set(rank_pids)) == 5 and os.getpid() not in rank_pids
+    assert not any(alive(pid) for pid in rank_pids)
 
 
 def test_function_defined_in_main_is_sent_by_value():
@@ -169,7 +149,7 @@ def test_function_defined_in_main_is_sent_by_value():
             assert all(type(p) is Point for p in points), [type(p) for p in points]
             print(attempt, [(p.rank, p.value.tolist()) for p in points])
     """)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = env_with_repo()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=240, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -316,154 +296,12 @@ def test_unguarded_script_and_stdin_callers_run_their_body_once(tmp_path, how):
     # Ranks never import the caller's __main__: no `if __name__ == "__main__":` needed.
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = env_with_repo()
     command = [sys.executable, str(script)] if how == "script" else [sys.executable, "-"]
     proc = subprocess.run(command, input=None if how == "script" else UNGUARDED_SCRIPT,
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["script body ran", "results [0, 10]"]
-
-
-# ------------------------------------------------------------------ failures (one launch each)
-
-
-def _raise_on_rank_1(pid_dir):
-    _record_pid(pid_dir)
-    dist.barrier()  # both pids are on disk before anything fails
-    if dist.get_rank() == 1:
-        print("rank 1 about to fail")
-        raise ValueError("boom on purpose")
-    dist.all_reduce(torch.ones(1))  # rank 0 waits for a rank that never comes
-
-
-def test_raising_rank_names_itself_and_stops_the_others(tmp_path):
-    with pytest.raises(LaunchError) as info:
-        launch(_raise_on_rank_1, str(tmp_path), world_size=2, timeout=120)
-    err = info.value
-    assert type(err) is LaunchError  # a failure report, not the timeout
-    assert err.rank == 1
-    message = str(err)
-    assert message.startswith("rank 1 raised ValueError: boom on purpose")
-    assert 'in _raise_on_rank_1\n    raise ValueError("boom on purpose")' in message
-    assert "rank 1 about to fail" in message  # output of a non-printing rank
-    pids = _pids(tmp_path)
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-
-
-def _exit_silently(pid_dir):
-    _record_pid(pid_dir)
-    dist.barrier()
-    if dist.get_rank() == 1:
-        os._exit(3)
-    dist.all_reduce(torch.ones(1))
-
-
-def test_rank_dying_without_report_gives_its_exit_code(tmp_path):
-    with pytest.raises(LaunchError) as info:
-        launch(_exit_silently, str(tmp_path), world_size=2, timeout=120)
-    assert type(info.value) is LaunchError
-    assert info.value.exitcode == 3 and info.value.rank == 1
-    assert str(info.value).startswith("rank 1 exited with code 3 without reporting a result")
-    pids = _pids(tmp_path)
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-
-
-def _skip_second_all_reduce(pid_dir):
-    _record_pid(pid_dir)
-    t = torch.ones(4)
-    collectives.all_reduce(t)
-    if dist.get_rank() == 1:
-        threading.Event().wait()  # rank 1 never enters the second all-reduce
-    collectives.all_reduce(t)
-
-
-def test_hang_ends_at_timeout_naming_each_ranks_last_collective(tmp_path):
-    with pytest.raises(LaunchTimeout) as info:
-        # 15 s: room for two torch imports on a loaded 2-core machine before the hang starts
-        launch(_skip_second_all_reduce, str(tmp_path), world_size=2, timeout=15)
-    last = info.value.last_collectives
-    assert last[0].startswith("all_reduce #2 (16 B float32, group of 2)"), last
-    assert last[1].startswith("all_reduce #1 (16 B float32, group of 2)"), last
-    message = str(info.value)
-    assert "timed out after 15 s" in message
-    assert f"rank 0: {last[0]}" in message and f"rank 1: {last[1]}" in message
-    pids = _pids(tmp_path)
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-
-
-def _wait_forever(pid_dir):
-    _record_pid(pid_dir)
-    dist.barrier()
-    print("ready")
-    threading.Event().wait()
-
-
-class _InterruptOnReady(io.StringIO):
-    """Stands in for the notebook's stdout: Ctrl-C arrives once rank 0 says it is ready."""
-
-    def write(self, text):
-        super().write(text)
-        if "ready" in text:
-            os.kill(os.getpid(), signal.SIGINT)
-        return len(text)
-
-
-def test_keyboard_interrupt_stops_every_rank(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "stdout", _InterruptOnReady())
-    # a shell starts background jobs with SIGINT ignored, and Python then keeps it ignored: make
-    # Ctrl-C raise KeyboardInterrupt here however pytest was started, as it does in a notebook
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            launch(_wait_forever, str(tmp_path), world_size=2, timeout=120)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    pids = _pids(tmp_path)
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-
-
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux)")
-def test_ranks_end_when_the_calling_process_is_killed(tmp_path):
-    # A notebook kernel that is killed outright runs no finally: the ranks notice by themselves.
-    code = textwrap.dedent(f"""
-        import os
-        import threading
-        from pathlib import Path
-        import torch.distributed as dist
-        import fsdp_lab
-
-        def wait_forever():
-            Path({str(tmp_path)!r}, f"rank{{dist.get_rank()}}.pid").write_text(str(os.getpid()))
-            dist.barrier()
-            print("ready", flush=True)
-            threading.Event().wait()
-
-        fsdp_lab.launch(wait_forever, world_size=2, timeout=600)
-    """)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env=env, cwd=REPO)
-    try:
-        assert caller.stdout.readline() == "ready\n"
-        pidfds = [os.pidfd_open(pid) for pid in _pids(tmp_path)]
-    finally:
-        caller.kill()
-        caller.wait(timeout=60)
-    assert len(pidfds) == 2
-    for fd in pidfds:  # readable once the process has ended
-        ended, _, _ = select.select([fd], [], [], 60)
-        os.close(fd)
-        assert ended == [fd]
-
-
-def _return_unpicklable():
-    return threading.Lock()
-
-
-def test_unsendable_return_value_is_a_clear_error():
-    with pytest.raises(LaunchError, match=r"rank 0 raised TypeError: the return value \(lock\) "
-                                          r"could not be sent back"):
-        launch(_return_unpicklable, world_size=1, timeout=120)
 
 
 # ------------------------------------------------------------------ bad arguments: nothing starts
@@ -520,41 +358,3 @@ def test_gpu_ranks_return_cpu_tensors():
             assert (r["backend"], r["device"], r["staging"]) == ("nccl", f"cuda:{rank}", False)
         else:
             assert (r["backend"], r["device"], r["staging"]) == ("gloo", "cuda:0", True)
-
-
-def _mismatched_collectives():
-    t = torch.ones(4)
-    collectives.all_reduce(t)
-    if dist.get_rank() == 0:
-        collectives.all_reduce(t)  # collective #2 on rank 0 ...
-    else:
-        collectives.all_gather_into_tensor(torch.empty(8), t)  # ... is an all-gather on rank 1
-
-
-def test_a_deadlock_is_reported_without_waiting_for_the_timeout():
-    start = time.monotonic()
-    with pytest.raises(LaunchTimeout) as info:
-        launch(_mismatched_collectives, world_size=2, timeout=120)
-    elapsed = time.monotonic() - start
-    assert elapsed < 60, f"the deadlock took {elapsed:.0f} s to report"
-    assert info.value.last_collectives == ["all_reduce #2 (16 B float32, group of 2)",
-                                           "all_gather #2 (32 B float32, group of 2)"]
-    assert "deadlock: the ranks wait in different collectives" in str(info.value)
-
-
-def _one_rank_late(seconds):
-    t = torch.ones(4) * (dist.get_rank() + 1)
-    if dist.get_rank() == 0:
-        time.sleep(seconds)  # rank 1 waits in all-reduce #1 alone meanwhile: slow, not stuck
-    collectives.all_reduce(t)
-    handle = collectives.all_gather_into_tensor(torch.empty(8), t, async_op=True)
-    if dist.get_rank() == 1:
-        time.sleep(seconds)  # rank 0 waits in all-gather #2's wait alone meanwhile
-    handle.wait()
-    return t.tolist()
-
-
-def test_a_rank_waiting_for_a_slow_peer_is_not_a_deadlock():
-    from fsdp_lab.launch import _DEADLOCK_S
-    results = launch(_one_rank_late, 2 * _DEADLOCK_S + 1, world_size=2, timeout=120)
-    assert results == [[3.0] * 4, [3.0] * 4]
