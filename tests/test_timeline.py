@@ -89,6 +89,10 @@ def test_plot_timeline_draws_rows_per_rank_and_lane():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 compute", "rank 0 comm", "rank 1 comm"]
     with pytest.raises(ValueError, match="no events"):
         plot_timeline(_timeline_of([]))
+    inside, outside = plot_timeline(tl).get_legend(), plot_timeline(tl, legend_outside=True).get_legend()
+    assert [t.get_text() for t in outside.get_texts()] == [t.get_text() for t in inside.get_texts()]
+    anchor = outside.get_bbox_to_anchor().transformed(outside.axes.transAxes.inverted())
+    assert anchor.x0 == pytest.approx(1.0)  # the legend starts at the axes' right edge
 
 
 def _overlap_run():

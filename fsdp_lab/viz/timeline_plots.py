@@ -23,11 +23,14 @@ def _color(event) -> str:
     return _COLORS.get(event.args.get("phase", "compute"), _COLORS["compute"])
 
 
-def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: bool = False):
+def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: bool = False,
+                  legend_outside: bool = False):
     """Draw ``timeline`` as a Gantt chart: one row per (rank, lane), time in ms from the start.
 
     Returns the matplotlib Axes. Comm events are coloured by collective, compute events by
-    phase (forward / backward / other spans). Raises ValueError for an empty timeline.
+    phase (forward / backward / other spans). ``legend_outside`` puts the legend right of the
+    axes, where it cannot cover late events (the optimizer step). Raises ValueError for an
+    empty timeline.
     """
     events = timeline.events
     if not events:
@@ -49,7 +52,10 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
     ax.set_xlabel("time (ms)")
     names = sorted({e.name if e.kind == "comm" else e.args.get("phase", "compute") for e in events})
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(n, "#DA8BC3")) for n in names]
-    ax.legend(handles, names, loc="upper right", fontsize=7, ncol=min(4, len(names)))
+    if legend_outside:
+        ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    else:
+        ax.legend(handles, names, loc="upper right", fontsize=7, ncol=min(4, len(names)))
     if title:
         ax.set_title(title)
     return ax

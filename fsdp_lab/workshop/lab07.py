@@ -45,6 +45,19 @@ def recorded_backward(timeline, rank: int = 0) -> list[tuple[str, str]]:
     return out
 
 
+def event_sequence(timeline, rank: int = 0, phase: str = "backward") -> str:
+    """One rank's collectives and compute events of one phase ("forward" or "backward"), in start
+    order, as text: "AG layers.3 -> layers.3 bwd -> RS layers.3 ...". The backward window starts
+    one event before the first backward compute event: its first all-gather is issued just before."""
+    short = {"all_gather": "AG", "reduce_scatter": "RS"}
+    events = [e for e in timeline.events if e.rank == rank]
+    first_backward = next(i for i, e in enumerate(events) if e.args.get("phase") == "backward")
+    last_forward = max(i for i, e in enumerate(events) if e.args.get("phase") == "forward")
+    window = events[first_backward - 1:] if phase == "backward" else events[:last_forward + 1]
+    return " -> ".join(f"{short[e.name]} {e.args['module']}" if e.kind == "comm" else e.name.replace("backward", "bwd")
+                       for e in window if e.kind == "comm" or e.args.get("phase") == phase)
+
+
 def _show(events) -> str:
     return " -> ".join(f"{kind} {unit}" for kind, unit in events)
 

@@ -35,6 +35,7 @@ CELLS = [
     from fsdp_lab.viz import plot_phase_breakdown, plot_timeline
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab_files, lab07
+    from fsdp_lab.workshop.repeats import Repeats, spread
 
     files = lab_files("07_prefetch_and_overlap")   # labs/figures/07_prefetch_and_overlap, from labs/ or labs/solutions/
     print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
@@ -121,34 +122,20 @@ CELLS = [
     reduce-scatter is issued.
     """),
     code("""
-    def sequence(name, rank=0, phase="backward"):
-        # one rank's comm and compute events of one phase, in start order, as text
-        short = {"all_gather": "AG", "reduce_scatter": "RS"}
-        events = [e for e in table.timelines[name].events if e.rank == rank]
-        first_backward = next(i for i, e in enumerate(events) if e.args.get("phase") == "backward")
-        # the backward's first all-gather is issued just before its first compute event
-        last_forward = max(i for i, e in enumerate(events) if e.args.get("phase") == "forward")
-        window = events[first_backward - 1:] if phase == "backward" else events[:last_forward + 1]
-        return " -> ".join(f"{short[e.name]} {e.args['module']}" if e.kind == "comm" else e.name.replace("backward", "bwd")
-                           for e in window if e.kind == "comm" or e.args.get("phase") == phase)
+    def sequence(name, phase="backward"):
+        # rank 0's comm and compute events of one phase, in start order, as text (lab07.event_sequence)
+        return lab07.event_sequence(table.timelines[name], rank=0, phase=phase)
 
     for name in ["fsdp2 block", "fsdp2 block no-prefetch"]:
         print(f"{name}:\\n  {sequence(name)}\\n")
     """),
     code("""
-    def timeline_figure(names, path=None):
-        fig, axes = plt.subplots(len(names), 1, figsize=(12.5, 3.3 * len(names)))
-        for ax, name in zip(axes, names):
-            plot_timeline(table.timelines[name], ax=ax, title=f"{name}: overlap {table.row(name)['overlap']:.2f} (this run)")
-            legend = ax.get_legend()                       # moved outside the axes: it must not cover the optimizer bars
-            ax.legend(legend.legend_handles, [t.get_text() for t in legend.get_texts()], loc="upper left",
-                      bbox_to_anchor=(1.0, 1.0), fontsize=8)
-        fig.tight_layout()
-        if path:
-            files.savefig(fig, path, dpi=90, bbox_inches="tight")
-        return fig
-
-    timeline_figure(["fsdp2 block", "fsdp2 block synchronous"], "timeline_async_vs_sync.png")
+    fig, axes = plt.subplots(2, 1, figsize=(12.5, 6.6))
+    for ax, name in zip(axes, ["fsdp2 block", "fsdp2 block synchronous"]):
+        plot_timeline(table.timelines[name], ax=ax, title=f"{name}: overlap {table.row(name)['overlap']:.2f} (this run)",
+                      legend_outside=True)
+    fig.tight_layout()
+    files.savefig(fig, "timeline_async_vs_sync.png", dpi=90, bbox_inches="tight")
     plt.show()
     print(table.format(["name", "overlap", "step_ms"], names=["fsdp2 block", "fsdp2 block synchronous"]))
     """, tags=["nbval-ignore-output"]),
@@ -305,47 +292,16 @@ CELLS = [
     TIMED = ["fsdp2 block", "fsdp2 block synchronous", "fsdp2 block offload", "fsdp2 two_blocks offload",
              "fsdp2 model offload", "fsdp1 block pre", "fsdp2 block for_loop", "fsdp2 block fused",
              "fsdp1 block for_loop", "fsdp1 block fused"]
-    repeats = [table] + [compare([r for r in RUNS if r["name"] in TIMED], model="cpu", steps=3, world_size=2,
-                                 batch_size=4, seq_len=32) for _ in range(REPEATS - 1)]
-
-    def measured(name, key):
-        # one value per repeat: key is a phase of phase_summary() (ms, mean over ranks) or a row field
-        values = []
-        for run in repeats:
-            row = run.row(name)
-            if key in row["phases"][0]:
-                values.append(1e3 * statistics.mean(p[key] for p in row["phases"].values()))
-            else:
-                values.append(row[key])
-        return values
-
-    def spread(values):
-        return f"{statistics.mean(values):7.2f} ± {statistics.stdev(values):5.2f}"
-
-    PHASES = ["forward", "backward", "optimizer", "exposed_comm", "idle", "window"]
-    def phase_rows(names):
-        print(f"{'run (ms, mean ± sd of ' + str(REPEATS) + ' runs)':28} " + " ".join(f"{p:>15}" for p in PHASES))
-        for n in names:
-            print(f"{n:28} " + " ".join(f"{spread(measured(n, p)):>15}" for p in PHASES))
+    # the first table plus fresh runs of the timed configurations; measured(name, key): one value per
+    # repeat, key a phase of phase_summary() (ms, mean over ranks) or a row field
+    repeats = Repeats([table] + [compare([r for r in RUNS if r["name"] in TIMED], model="cpu", steps=3,
+                                         world_size=2, batch_size=4, seq_len=32) for _ in range(REPEATS - 1)])
+    measured = repeats.measured
 
     OFFLOAD = ["fsdp2 block offload", "fsdp2 two_blocks offload", "fsdp2 model offload"]
-    phase_rows(OFFLOAD)
-
-    def error_bars(names, keys, ax, title):
-        width = 0.8 / len(keys)
-        for j, key in enumerate(keys):
-            values = [measured(n, key) for n in names]
-            ax.barh([i + j * width for i in range(len(names))], [statistics.mean(v) for v in values], height=width,
-                    xerr=[statistics.stdev(v) for v in values], capsize=3, label=key)
-        ax.set_yticks([i + width * (len(keys) - 1) / 2 for i in range(len(names))])
-        ax.set_yticklabels(names)
-        ax.invert_yaxis()
-        ax.set_xlabel(f"ms per step (mean over ranks; bar = mean, line = ± 1 sd over {REPEATS} runs)")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        ax.set_title(title)
-
+    print(repeats.phase_table(OFFLOAD))
     fig, ax = plt.subplots(figsize=(10, 3.2))
-    error_bars(OFFLOAD, ["window", "exposed_comm", "idle"], ax, "CPU offload, by wrapping")
+    repeats.error_bars(OFFLOAD, ["window", "exposed_comm", "idle"], ax, "CPU offload, by wrapping")
     fig.tight_layout()
     files.savefig(fig, "offload_granularity.png", dpi=90, bbox_inches="tight")
     plt.show()
@@ -359,7 +315,7 @@ CELLS = [
     print(f"Shortest mean step window in these {REPEATS} runs: {fastest} ({window[fastest]:.1f} ± {window_sd[fastest]:.1f} ms); "
           + "; ".join(f"{n}: {count[n]} collectives, {gathered[n]:.3f} MiB gathered, {exposed[n]:.1f} ms of comm not hidden"
                       for n in OFFLOAD) + ".")
-    clear = all(window[fastest] + window_sd[fastest] < window[n] - window_sd[n] for n in OFFLOAD if n != fastest)
+    clear = all(repeats.apart(fastest, n, "window") for n in OFFLOAD if n != fastest)
     if not clear:
         print(f"{fastest}'s window is not shorter than every other wrapping's by more than one standard deviation "
               "of each: in this run the spread is as large as some of the differences, so no wrapping is a clear winner.")
@@ -438,17 +394,16 @@ CELLS = [
     implementation's remaining gaps show: a slower optimizer step, more exposed communication, idle time.
     """),
     code("""
-    phase_rows(FAIR)
+    print(repeats.phase_table(FAIR))
     fig, ax = plt.subplots(figsize=(10, 2.8))
-    error_bars(FAIR, ["forward", "backward", "optimizer", "exposed_comm"], ax, "FSDP1 vs FSDP2, same model and wrapping")
+    repeats.error_bars(FAIR, ["forward", "backward", "optimizer", "exposed_comm"], ax, "FSDP1 vs FSDP2, same model and wrapping")
     fig.tight_layout()
     files.savefig(fig, "fsdp1_vs_fsdp2_phases.png", dpi=90, bbox_inches="tight")
     plt.show()
     for phase in ["backward", "optimizer", "exposed_comm"]:
         a, b = (measured(n, phase) for n in FAIR)
-        apart = abs(statistics.mean(a) - statistics.mean(b)) > statistics.stdev(a) + statistics.stdev(b)
-        print(f"{phase:>13}: fsdp1 {spread(a)} ms, fsdp2 {spread(b)} ms -> "
-              + ("a difference larger than the spread" if apart else "within the run-to-run spread"))
+        print(f"{phase:>13}: fsdp1 {spread(a)} ms, fsdp2 {spread(b)} ms -> " + ("a difference larger than the spread"
+              if repeats.apart(*FAIR, phase) else "within the run-to-run spread"))
     """, tags=["nbval-ignore-output"]),
     md("""
     ## 10. The optimizer step: per-tensor dispatch
@@ -511,10 +466,8 @@ CELLS = [
     def render(run_a, run_b):
         fig, axes = plt.subplots(3, 1, figsize=(12.5, 8.5), gridspec_kw={"height_ratios": [2, 2, 1]})
         for ax, name in zip(axes, [run_a, run_b]):
-            plot_timeline(table.timelines[name], ax=ax, title=f"{name} (overlap {table.row(name)['overlap']:.2f})")
-            legend = ax.get_legend()
-            ax.legend(legend.legend_handles, [t.get_text() for t in legend.get_texts()], loc="upper left",
-                      bbox_to_anchor=(1.0, 1.0), fontsize=8)
+            plot_timeline(table.timelines[name], ax=ax, title=f"{name} (overlap {table.row(name)['overlap']:.2f})",
+                          legend_outside=True)
         plot_phase_breakdown({run_a: table.timelines[run_a], run_b: table.timelines[run_b]}, ax=axes[2])
         fig.tight_layout()
         return fig, table.phase_table([run_a, run_b])

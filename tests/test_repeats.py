@@ -1,0 +1,43 @@
+"""Repeats: values per repeat, mean ± sd and "apart" worked out by hand on made-up tables."""
+
+import pytest
+
+from fsdp_lab.compare import CompareResult
+from fsdp_lab.workshop.repeats import Repeats, spread
+
+
+def _table(step_ms_by_run: dict, forward_s_by_run: dict) -> CompareResult:
+    # two ranks; a phase reads as the mean over ranks, in ms
+    rows = [{"name": n, "step_ms": step_ms_by_run[n],
+             "phases": {0: {"forward": f - 0.001}, 1: {"forward": f + 0.001}}}
+            for n, f in forward_s_by_run.items()]
+    return CompareResult(rows, timelines={}, configs={}, raw=[])
+
+
+TABLES = Repeats([_table({"a": 10.0, "b": 20.0}, {"a": 0.010, "b": 0.020}),
+                  _table({"a": 12.0, "b": 21.0}, {"a": 0.012, "b": 0.021}),
+                  _table({"a": 14.0, "b": 22.0}, {"a": 0.014, "b": 0.022})])
+
+
+def test_measured_reads_row_fields_and_phases_in_ms():
+    assert TABLES.measured("a", "step_ms") == [10.0, 12.0, 14.0]
+    assert TABLES.measured("b", "forward") == pytest.approx([20.0, 21.0, 22.0])
+    with pytest.raises(KeyError, match="no run named 'c'"):
+        TABLES.measured("c", "step_ms")
+
+
+def test_spread_and_apart():
+    assert spread([10.0, 12.0, 14.0]) == "  12.00 ±  2.00"
+    # means 12 and 21 differ by 9 > sd 2 + sd 1
+    assert TABLES.apart("a", "b", "step_ms")
+    close = Repeats([_table({"a": 10.0, "b": 11.0}, {"a": 0, "b": 0}),
+                     _table({"a": 14.0, "b": 13.0}, {"a": 0, "b": 0})])
+    assert not close.apart("a", "b", "step_ms")  # means 12 and 12
+
+
+def test_phase_table_has_one_line_per_run():
+    text = TABLES.phase_table(["a", "b"], phases=("forward",))
+    lines = text.splitlines()
+    assert lines[0].startswith("run (ms, mean ± sd of 3 runs)") and lines[0].endswith("forward")
+    assert lines[1].startswith("a") and lines[1].endswith("12.00 ±  2.00")
+    assert lines[2].endswith("21.00 ±  1.00")
