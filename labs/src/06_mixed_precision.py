@@ -31,7 +31,6 @@ CELLS = [
     import torch.nn as nn
     import torch.distributed as dist
     import matplotlib.pyplot as plt
-    import ipywidgets as widgets
     import fsdp_lab
     from fsdp_lab import collectives
     from fsdp_lab.fsdp2 import fully_shard
@@ -41,8 +40,6 @@ CELLS = [
     from fsdp_lab.models.llama import Llama, LlamaConfig
     from fsdp_lab.precision import MixedPrecisionPolicy, accumulation_dtype, grad_comm_dtype, main_params_dtype
     from fsdp_lab.timeline import Timeline
-    from fsdp_lab.viz.memory_plots import plot_breakdown
-    from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab_files, lab06
     from fsdp_lab.workshop.zero import ZeRO1
 
@@ -191,25 +188,7 @@ CELLS = [
         print(f"{label:>36}: {short(dtype):>8} {nbytes:>8,d} bytes")
     """),
     code("""
-    def draw_life(life, ax=None):
-        ax = ax or plt.subplots(figsize=(11, 2.6))[1]
-        colors = {torch.float32: "#4C72B0", torch.bfloat16: "#DD8452", torch.float16: "#55A868"}
-        for i, (key, label) in enumerate(STAGES):
-            dtype, nbytes = life[key]
-            ax.add_patch(plt.Rectangle((i * 1.5, 0), 1.2, 1, color=colors.get(dtype, "#999"), alpha=0.85))
-            ax.text(i * 1.5 + 0.6, 0.62, short(dtype), ha="center", fontsize=9, color="white", weight="bold")
-            ax.text(i * 1.5 + 0.6, 0.3, f"{nbytes / 1024:.0f} KiB", ha="center", fontsize=8, color="white")
-            ax.text(i * 1.5 + 0.6, -0.25, "\\n".join(label.split(" ", 2)[:2] + label.split(" ", 2)[2:]),
-                    ha="center", va="top", fontsize=7)
-            if i:
-                ax.annotate("", xy=(i * 1.5, 0.5), xytext=(i * 1.5 - 0.3, 0.5), arrowprops=dict(arrowstyle="->"))
-        ax.set_xlim(-0.2, len(STAGES) * 1.5)
-        ax.set_ylim(-0.9, 1.2)
-        ax.axis("off")
-        ax.set_title("life of layers.0.feed_forward.w1's gradient (rank 0, 2 ranks)")
-        return ax
-
-    ax = draw_life(life)
+    ax = lab06.draw_gradient_life(life, STAGES)
     files.savefig(ax.figure, "gradient_life_cycle.png", dpi=100, bbox_inches="tight")
     plt.show()
     """),
@@ -233,8 +212,6 @@ CELLS = [
     """),
     code("""
     STEPS, BATCH, SEQ, MICRO = 50, 6, 16, 3
-    CATEGORIES = ["sharded_params", "unsharded_params", "unsharded_grads", "sharded_grads",
-                  "optimizer_state", "activations", "temporaries"]
 
     def train_policy(fields, steps=STEPS, bf16_model=False):
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -276,14 +253,7 @@ CELLS = [
         return {name: train_policy(fields) for name, fields in POLICIES.items()}
 
     table = fsdp_lab.launch(all_policies, world_size=2)[0]
-    print(f"{'policy':>30} | {'sharded':>7} {'gathered':>8} {'acc.grad':>8} {'sh.grad':>7} {'optim':>6} "
-          f"{'act.':>6} {'temp':>6} | {'AG bytes':>9} {'RS bytes':>9}")
-    for name, row in table.items():
-        m = row["highest"]
-        print(f"{name:>30} | " + " ".join(f"{m.get(c, 0) / 1024:{w}.0f}" for c, w in
-                                           zip(CATEGORIES, (7, 8, 8, 7, 6, 6, 6)))
-              + f" | {row['wire'].get('all_gather', 0):9,d} {row['wire'].get('reduce_scatter', 0):9,d}")
-    print("(KiB on rank 0: the highest each category reached during the second step; bytes per step on rank 0)")
+    lab06.print_policy_memory(table)
     """),
     code("""
     print(f"{'policy':>30} | {'comm buffers KiB':>16} {'peak total KiB':>14}")
@@ -291,38 +261,16 @@ CELLS = [
         print(f"{name:>30} | {row['highest'].get('comm_buffers', 0) / 1024:16.0f} {sum(row['memory'].values()) / 1024:14.0f}")
     """),
     code("""
-    reference = table["fp32"]["losses"]
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.1, 1]})
-    for name, row in table.items():
-        if name != "fp32":
-            ax0.plot(range(1, STEPS + 1), [a - b for a, b in zip(row["losses"], reference)], label=name, lw=1.2)
-    ax0.axhline(0, color="black", lw=0.8, label="fp32 (the reference)")
-    ax0.set_xlabel("step"); ax0.set_ylabel("loss − fp32 loss")
-    ax0.set_title(f"each policy's loss minus the fp32 run's (fp32: {reference[0]:.3f} → {reference[-1]:.3f})", fontsize=9)
-    ax0.legend(fontsize=7)
-    plot_breakdown({name.replace(" + ", "\\n"): row["memory"] for name, row in table.items()}, ax=ax1, unit="KiB",
-                   title="memory by category at rank 0's peak, second step")
-    ax1.tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
+    fig = lab06.plot_policies(table)
     files.savefig(fig, "policies.png", dpi=100, bbox_inches="tight")
     plt.show()
+    reference = table["fp32"]["losses"]
     gap = {name: max(abs(a - b) for a, b in zip(row["losses"], reference)) for name, row in table.items() if name != "fp32"}
     print("every policy within 0.1 of the fp32 loss at every one of the 50 steps:", all(v < 0.1 for v in gap.values()))
-    kib = lambda name, key, category=None: (table[name]["highest"].get(category, 0) if category else table[name]["wire"][key]) / 1024
-    fp32, bf16, acc32, acc16 = "fp32", "bf16 params + fp32 reduce", "bf16 comm + fp32 accumulation", "bf16 params + bf16 reduce"
-    print(f"gathered params, bf16 / fp32 compute: {kib(bf16, None, 'unsharded_params') / kib(fp32, None, 'unsharded_params'):.2f}; "
-          f"all-gather bytes: {kib(bf16, 'all_gather') / kib(fp32, 'all_gather'):.2f}; "
-          f"reduce-scatter bytes, bf16 / fp32 wire: {kib(acc16, 'reduce_scatter') / kib(bf16, 'reduce_scatter'):.2f}; "
-          f"accumulation buffer, fp32 / bf16 accumulation: {kib(acc32, None, 'unsharded_grads') / kib(acc16, None, 'unsharded_grads'):.2f}")
+    lab06.print_policy_ratios(table)
     """),
     code("""
-    # ≈: bf16/fp16 digits that depend on the CPU's matrix kernels (oneDNN's AMX or AVX-512 BF16 where
-    # the CPU has them, PyTorch's own elsewhere); labs/nbval_sanitize.cfg leaves them out of the comparison
-    print(f"{'policy':>30} | {'loss@1':>7} {'loss@50':>7} | largest |loss - fp32 loss|")
-    for name, row in table.items():
-        first, last = row["losses"][0], row["losses"][-1]
-        print(f"{name:>30} | {'≈%.4f' % first:>7} {'≈%.4f' % last:>7} | "
-              + (f"≈{gap[name]:.2e}" if name in gap else "(the reference)"))
+    lab06.print_policy_losses(table, gap)   # bf16 digits after a ≈: they differ with the CPU's kernels
     """),
     md("""
     What to read in the table:
@@ -403,31 +351,10 @@ CELLS = [
 
     bug = fsdp_lab.launch(megatron_runs, world_size=2)[0]
     bug["single process"] = single_process()
-    print(f"{'step':>5} | {'single process':>14} {'fixed (copy)':>12} {'buggy (add)':>11}")
-    for step in (1, 10, 20, 30, BUG_STEPS):
-        print(f"{step:5d} | {bug['single process'][step - 1]:14.4f} {bug['fixed'][step - 1]:12.4f} {bug['buggy'][step - 1]:11.4f}")
-    fixed_gap = max(abs(a - b) for a, b in zip(bug["fixed"], bug["single process"]))
-    print(f"fixed vs single process: largest difference {'below 1e-5' if fixed_gap < 1e-5 else f'{fixed_gap:.1e}'} "
-          "(float32 round-off)")
-    first = next(i + 1 for i, (b, f) in enumerate(zip(bug["buggy"], bug["fixed"])) if abs(b - f) > 1e-4)
-    tail_buggy, tail_fixed = sum(bug["buggy"][-10:]) / 10, sum(bug["fixed"][-10:]) / 10
-    print(f"buggy leaves the fixed run at step {first}; mean loss over the last 10 steps: buggy {tail_buggy:.4f}, "
-          f"fixed {tail_fixed:.4f} ({'higher' if tail_buggy > tail_fixed else 'lower'} with the bug); buggy above fixed on "
-          f"{sum(b > f for b, f in zip(bug['buggy'][1:], bug['fixed'][1:]))} of {BUG_STEPS - 1} steps after the first")
+    lab06.print_optim_mode_bug(bug)
     """),
     code("""
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 3.4))
-    steps = range(1, BUG_STEPS + 1)
-    for name, style in [("single process", dict(color="black", lw=2.5, alpha=0.35)),
-                        ("fixed", dict(color="#4C72B0", lw=1.2)), ("buggy", dict(color="#C44E52", lw=1.2))]:
-        ax0.plot(steps, bug[name], label=name, **style)
-    ax0.set_xlabel("step"); ax0.set_ylabel("loss (mean over ranks)"); ax0.legend(fontsize=8)
-    ax0.set_title("ZeRO-1 on 2 ranks, reduced the way Megatron-FSDP's optim mode did")
-    ax1.plot(steps, [b - f for b, f in zip(bug["buggy"], bug["fixed"])], color="#C44E52")
-    ax1.axhline(0, color="black", lw=0.8)
-    ax1.set_xlabel("step"); ax1.set_ylabel("buggy loss − fixed loss")
-    ax1.set_title("the cost of counting each rank's own gradient twice")
-    fig.tight_layout()
+    fig = lab06.plot_optim_mode_bug(bug)
     files.savefig(fig, "optim_mode_bug.png", dpi=100, bbox_inches="tight")
     plt.show()
     """),
@@ -527,15 +454,7 @@ CELLS = [
         fields = dict(param_dtype=DTYPES[param_dtype], grad_comm_dtype=DTYPES[comm],
                       main_grads_dtype=DTYPES[main_grads], main_params_dtype=None if main_params == "native" else FP32)
         run = fsdp_lab.launch(train_policy, fields, steps, main_params == "native", world_size=2)[0]
-        fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 3.4))
-        ax0.plot(range(1, steps + 1), run["losses"], color="#4C72B0")
-        ax0.set_xlabel("step"); ax0.set_ylabel("loss"); ax0.set_title("loss")
-        plot_breakdown({"this policy": run["memory"]}, ax=ax1, unit="KiB", title="memory at rank 0's peak")
-        fig.tight_layout()
-        wire = ", ".join(f"{k} {v:,d} B" for k, v in run["wire"].items())
-        scaling = (f" | loss scale {run['scale']:g}, {run['skipped']} of {steps} steps skipped"
-                   if run["scale"] is not None else "")
-        return fig, f"per step on rank 0: {wire} | loss {run['losses'][0]:#.3g} -> {run['losses'][-1]:#.3g}{scaling}"
+        return lab06.draw_policy_run(run)
 
     fig, text = render()
     print(text)
@@ -543,13 +462,7 @@ CELLS = [
     plt.show()
     """),
     code("""
-    explorer = Explorer({
-        "param_dtype": widgets.Dropdown(options=list(DTYPES), value="bfloat16", description="compute"),
-        "main_params": widgets.Dropdown(options=["float32", "native"], value="float32", description="master"),
-        "main_grads": widgets.Dropdown(options=list(DTYPES), value="float32", description="accumulate"),
-        "comm": widgets.Dropdown(options=list(DTYPES), value="bfloat16", description="wire"),
-        "steps": widgets.IntSlider(value=20, min=5, max=50, step=5, description="steps"),
-    }, render, title="Build a mixed-precision policy", auto=False)
+    explorer = lab06.policy_explorer(render, list(DTYPES))
     explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
