@@ -8,9 +8,20 @@
   ``x Wᵀ + (alpha / rank) · x Aᵀ Bᵀ``, and its gradients. Reference: ``LoRALinear`` on the same
   tensors. B is random here, not zero as at initialisation: a zero B hides every mistake in the
   update.
+
+The lab's figures, tables and explorer are drawn here too (``plot_codebook_over_normal``,
+``print_memory_at_rest``, ``plot_qlora_two_ranks``, ``print_published_against_estimates``,
+``draw_7b_states``, ``print_adapters_against_frozen``, ``qlora_7b_explorer``), with the timing
+and gathered-bytes helpers ``shortest_time`` and ``bytes_still_gathered``; the notebook keeps the
+quantization, the runs and the arithmetic they draw.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import time
+from statistics import NormalDist
 
 import torch
 import torch.nn as nn
@@ -161,3 +172,157 @@ def check_lora_forward(lora_forward):
     return correct(f"output and gradients of A and B match LoRALinear (to {TOLERANCE:g}) with a random B: the "
                    f"frozen NF4 weight gets no gradient, the update is scaled by alpha / rank = {scaling:g}, "
                    "and only the r·(in + out) adapter values train")
+
+
+# ----------------------------------------------------------------------------- the lab's figures and tables
+# matplotlib and ipywidgets are imported inside these functions: checking an answer needs neither.
+
+
+def plot_codebook_over_normal():
+    """The 16 NF4 code values as vertical lines over the N(0, 1) density, on the normalised axis
+    (x / absmax of its block; the outermost quantile lands on ±1). Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.qlora.nf4 import NF4_CODEBOOK
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    xs = torch.linspace(-1.1, 1.1, 400)
+    scale = NormalDist().inv_cdf(0.9677083)  # the outermost quantile is normalised to 1
+    pdf = torch.tensor([NormalDist().pdf(float(x) * scale) for x in xs])
+    ax.plot(xs, pdf / pdf.max(), color="gray", label="N(0,1) density (scaled)")
+    ax.vlines(NF4_CODEBOOK, 0, 1, color="tab:blue", label="NF4 code values")
+    ax.set_xlabel("normalised value (x / absmax of its block)"); ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("NF4: codes are denser where weights are")
+    fig.tight_layout()
+    return fig
+
+
+def print_memory_at_rest(result, rank: int = 0) -> None:
+    """Print the non-zero memory categories (bytes) rank ``rank`` holds after a step: ``result`` is
+    its MemoryTracker result, read through its ``current`` {category: bytes}."""
+    print(f"rank {rank} at rest after the step (bytes):")
+    for category, nbytes in result.current.items():
+        if nbytes:
+            print(f"  {category:16} {nbytes:>10,}")
+
+
+def shortest_time(fn, repeats: int = 7) -> float:
+    """The shortest of ``repeats`` calls of ``fn()``, in seconds: other work on the machine only
+    ever adds time, so the fastest call is the least disturbed."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bytes_still_gathered(model) -> int:
+    """Bytes held by the all-gather outputs of every FSDP2 group in ``model`` (0 once every group
+    has resharded). Reads FSDP2's per-module state (``_fsdp_state``): a module without a group
+    holds nothing."""
+    return sum(p.untyped_storage().nbytes() for s in model.modules() if hasattr(s, "_fsdp_state")
+               and s._fsdp_state.group is not None
+               for f in s._fsdp_state.group.fsdp_params for p in f.all_gather_outputs)
+
+
+def plot_qlora_two_ranks(runs: list[dict], nf4_block: int, bf16_block: int):
+    """Left: memory by category at each rank's peak (KiB); right: the bytes one block's all-gather
+    moves (KiB), measured with NF4 linears (``nf4_block``) against the same block with bf16
+    linears (``bf16_block``). ``runs``: per rank, a dict whose "memory" has a ``peak``
+    {category: bytes}. Returns the Figure. Raises ValueError (from ``plot_breakdown``) for an
+    unknown memory category."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.viz.memory_plots import plot_breakdown
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
+    plot_breakdown({f"rank {i}": r["memory"].peak for i, r in enumerate(runs)}, ax=axes[0], unit="KiB",
+                   title=f"QLoRA on {len(runs)} ranks: memory at the peak")
+    labels = ["NF4 block\n(measured)", "same block,\nbf16 linears"]
+    axes[1].bar(labels, [nf4_block / 1024, bf16_block / 1024], color=["tab:purple", "tab:gray"])
+    axes[1].set_ylabel("KiB per all-gather"); axes[1].set_title("bytes moved to unshard one block")
+    fig.tight_layout()
+    return fig
+
+
+ANSWER_AI = "Answer.AI (rank 64), peak reserved"
+TALK = ("talk, FSDP1 + bitsandbytes", "talk, FSDP2 + torchao NF4")
+
+
+def print_published_against_estimates(published: dict, talk_estimate: dict, small_batch_estimate: dict,
+                                      fake_tensor_results: str) -> None:
+    """Print the published Llama-2-7B QLoRA figures (GiB) beside the estimates of live bytes:
+    ``published`` {label: GiB} with the two talk figures and Answer.AI's; ``talk_estimate``
+    {strategy: GiB} at batch 8 x 2048, rank 8; ``small_batch_estimate`` {LoRA rank: GiB} at batch
+    1 x 512, ranks 8 and 64. The fake-tensor runs of ``benchmarks/qlora_7b.py`` are added from the
+    JSON file ``fake_tensor_results`` when it exists. Raises KeyError for a missing figure."""
+    print("batch 8 x 2048, rank 8")
+    for label in TALK:
+        print(f"  {'published: ' + label:<50}{published[label]:6.2f} GiB")
+    for strategy, gib in talk_estimate.items():
+        print(f"  {'estimate of live bytes, ' + strategy:<50}{gib:6.2f} GiB")
+    print("batch 1 x 512")
+    print(f"  {'published: ' + ANSWER_AI:<50}{published[ANSWER_AI]:6.2f} GiB")
+    for rank, gib in small_batch_estimate.items():
+        print(f"  {f'estimate of live bytes, rank {rank}':<50}{gib:6.2f} GiB")
+    if os.path.exists(fake_tensor_results):
+        with open(fake_tensor_results) as fh:
+            saved = json.load(fh)
+        for strategy in ("fsdp2", "fsdp1"):
+            if f"fake_tensor_run_{strategy}" in saved:
+                print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<50}"
+                      f"{saved[f'fake_tensor_run_{strategy}']['peak_gib']:6.2f} GiB")
+    print(f"published minus estimate: {published[ANSWER_AI] - small_batch_estimate[64]:.2f} GiB at batch 1 x 512 "
+          f"(rank 64); {published[TALK[1]] - talk_estimate['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
+
+
+def draw_7b_states(per_rank: dict, block_nf4: float, block_bf16: float, world_size: int):
+    """(Figure, text) of one Llama-2-7B QLoRA setting: the per-rank model states ``per_rank``
+    ({category: bytes}, drawn in GiB) and one block's all-gather in NF4 (``block_nf4`` bytes)
+    against bf16 (``block_bf16`` bytes, drawn in MiB); the text gives the bits per weight, the
+    GiB per rank and both all-gathers in MiB. Raises ValueError (from ``plot_breakdown``) for an
+    unknown memory category."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.viz.memory_plots import plot_breakdown
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    plot_breakdown({f"{world_size} ranks": per_rank}, ax=axes[0], unit="GiB", title="Llama-2-7B per rank (bf16)")
+    axes[1].bar(["NF4", "bf16"], [block_nf4 / 2**20, block_bf16 / 2**20], color=["tab:purple", "tab:gray"])
+    axes[1].set_ylabel("MiB per block all-gather"); axes[1].set_title("one block's all-gather")
+    fig.tight_layout()
+    bits = 8 * block_nf4 / (block_bf16 / 2)
+    return fig, (f"{bits:.3f} bits/weight; model states {sum(per_rank.values()) / 2**30:.2f} GiB per rank; "
+                 f"all-gather {block_nf4 / 2**20:.1f} MiB vs {block_bf16 / 2**20:.1f} MiB in bf16")
+
+
+def print_adapters_against_frozen(model_states, world_size: int = 2) -> None:
+    """For LoRA ranks 8 and 64 (block size 64, double quantization), print per rank of
+    ``world_size`` (GiB) the NF4 weights, the adapters with their gradients and AdamW state, and
+    the frozen bf16 embeddings, norms and output layer of Llama-2-7B, and which of the last two is
+    larger. ``model_states(lora_rank, block_size, double_quant, world_size)`` returns the per-rank
+    {category: bytes} first, as the lab's ``seven_b`` does. Raises KeyError for a missing category."""
+    from fsdp_lab.models.llama import LlamaConfig
+
+    c7, world = LlamaConfig.from_name("llama2-7b"), world_size
+    frozen = 2 * (2 * c7.vocab_size * c7.dim + (2 * c7.n_layers + 1) * c7.dim) / world  # bf16 embeddings, output, norms
+    for lora_rank in (8, 64):
+        per_rank = model_states(lora_rank, 64, True, world)[0]
+        adapters = per_rank["sharded_params"] - frozen + per_rank["sharded_grads"] + per_rank["optimizer_state"]
+        print(f"LoRA rank {lora_rank:2d}, GiB per rank of {world}: NF4 weights {per_rank['quantized'] / 2**30:.2f}, "
+              f"adapters with grads and AdamW state {adapters / 2**30:.2f}, frozen embeddings + norms + output "
+              f"{frozen / 2**30:.2f} -> adapters {'larger' if adapters > frozen else 'smaller'} than the frozen part")
+
+def qlora_7b_explorer(render):
+    """The lab's 7B explorer: LoRA rank, block size, double quantization and world size, each
+    passed to ``render`` by keyword (``lora_rank``, ``block_size``, ``double_quant``,
+    ``world_size``); redrawn on every change. Returns the Explorer."""
+    import ipywidgets as widgets
+
+    from fsdp_lab.viz.widgets import Explorer
+
+    return Explorer({
+        "lora_rank": widgets.Dropdown(options=[4, 8, 16, 64], value=8, description="LoRA rank"),
+        "block_size": widgets.Dropdown(options=[32, 64, 128, 256], value=64, description="block size"),
+        "double_quant": widgets.Checkbox(value=True, description="double quant"),
+        "world_size": widgets.Dropdown(options=[1, 2, 4, 8], value=2, description="world size"),
+    }, render, title="QLoRA at 7B: memory and bytes")

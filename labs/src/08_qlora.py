@@ -25,13 +25,11 @@ CELLS = [
     """),
     code("""
     %matplotlib inline
-    import json, math, os
+    import math, os
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
     import matplotlib.pyplot as plt
-    import ipywidgets as widgets
-    from statistics import NormalDist
     from torch.utils._python_dispatch import TorchDispatchMode
     import fsdp_lab
     from fsdp_lab.workshop import lab_files, lab08
@@ -40,8 +38,6 @@ CELLS = [
                                     quantize_nf4_blocks, unpack_nibbles)
     from fsdp_lab.memory.estimate import estimate
     from fsdp_lab.models.llama import LlamaConfig
-    from fsdp_lab.viz import plot_breakdown
-    from fsdp_lab.viz.widgets import Explorer
 
     files = lab_files("08_qlora")   # labs/figures/08_qlora in the lab build, else labs/my_figures/08_qlora
     print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
@@ -81,15 +77,8 @@ CELLS = [
     print(f"least used {100 * usage.min().item():.1f}% (code {usage.argmin().item()}), "
           f"most used {100 * usage.max().item():.1f}% (code {usage.argmax().item()}); equal use would be {100 / 16:.2f}%")
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    xs = torch.linspace(-1.1, 1.1, 400)
-    scale = NormalDist().inv_cdf(0.9677083)  # the outermost quantile is normalised to 1
-    pdf = torch.tensor([NormalDist().pdf(float(x) * scale) for x in xs])
-    ax.plot(xs, pdf / pdf.max(), color="gray", label="N(0,1) density (scaled)")
-    ax.vlines(NF4_CODEBOOK, 0, 1, color="tab:blue", label="NF4 code values")
-    ax.set_xlabel("normalised value (x / absmax of its block)"); ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("NF4: codes are denser where weights are")
-    fig.tight_layout(); files.savefig(fig, "codebook.png", dpi=90)
+    fig = lab08.plot_codebook_over_normal()
+    files.savefig(fig, "codebook.png", dpi=90)
     """),
     md("""
     ## 3. Quantize a block by hand, then with the library
@@ -151,7 +140,6 @@ CELLS = [
     the same values, bit for bit; the times are this machine's and are not compared.
     """),
     code("""
-    import time
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
     w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
     w_packed, w_scales = quantize_nf4_blocks(w.reshape(-1), 64)
@@ -161,15 +149,9 @@ CELLS = [
     print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
     """),
     code("""
-    def best_of(fn, repeats=7):
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter(); fn(); times.append(time.perf_counter() - start)
-        return min(times)
-
-    t_eager = best_of(lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16))
-    t_fused_eager = best_of(lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16))
-    t_compiled = best_of(lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16))
+    t_eager = lab08.shortest_time(lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16))
+    t_fused_eager = lab08.shortest_time(lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16))
+    t_compiled = lab08.shortest_time(lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16))
     print(f"eager (gather form)       {1e3 * t_eager:7.2f} ms")
     print(f"eager (element-wise form) {1e3 * t_fused_eager:7.2f} ms")
     print(f"compiled                  {1e3 * t_compiled:7.2f} ms   "
@@ -288,18 +270,13 @@ CELLS = [
                 loss = model(batch.input_ids, batch.labels).loss
                 loss.backward(); opt.step(); opt.zero_grad()
             losses.append(loss.item())
-        unsharded_after = sum(p.untyped_storage().nbytes() for s in model.modules() if hasattr(s, "_fsdp_state")
-                              and s._fsdp_state.group is not None
-                              for f in s._fsdp_state.group.fsdp_params for p in f.all_gather_outputs)
+        unsharded_after = lab08.bytes_still_gathered(model)
         return {"losses": losses, "memory": result, "events": events, "unsharded_after": unsharded_after}
 
     runs = fsdp_lab.launch(qlora_step, world_size=2)
     r0 = runs[0]
     print("losses (mean over ranks):", " ".join(f"{(a + b) / 2:.4f}" for a, b in zip(runs[0]["losses"], runs[1]["losses"])))
-    print("rank 0 at rest after the step (bytes):")
-    for cat, b in r0["memory"].current.items():
-        if b:
-            print(f"  {cat:16} {b:>10,}")
+    lab08.print_memory_at_rest(r0["memory"])
     """),
     md("""
     The `quantized` category is this rank's half of every NF4 weight (codes, int8 scales, factors);
@@ -348,14 +325,8 @@ CELLS = [
     print("reduce-scatter bytes in the step:", f"{scatter_bytes:,}",
           f"(adapter gradients, float32: {4 * sum(8 * (o + i) for o, i in shapes) * 2:,} for 2 blocks)")
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5))
-    plot_breakdown({f"rank {i}": r["memory"].peak for i, r in enumerate(runs)}, ax=axes[0], unit="KiB",
-                   title="QLoRA on 2 ranks: memory at the peak")
-    labels = ["NF4 block\\n(measured)", "same block,\\nbf16 linears"]
-    axes[1].bar(labels, [nf4_block / 1024, bf16_block / 1024],
-                color=["tab:purple", "tab:gray"])
-    axes[1].set_ylabel("KiB per all-gather"); axes[1].set_title("bytes moved to unshard one block")
-    fig.tight_layout(); files.savefig(fig, "qlora_two_ranks.png", dpi=90)
+    fig = lab08.plot_qlora_two_ranks(runs, nf4_block, bf16_block)
+    files.savefig(fig, "qlora_two_ranks.png", dpi=90)
     """),
     md("""
     ### The same model under FSDP1
@@ -416,25 +387,8 @@ CELLS = [
                  "Answer.AI (rank 64), peak reserved": 4.98}  # GiB, sources in REFERENCES.md
     talk_estimate = {s: live_gib(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
     small = {rank: live_gib(rank=rank) for rank in (8, 64)}
-    print("batch 8 x 2048, rank 8")
-    for label in ("talk, FSDP1 + bitsandbytes", "talk, FSDP2 + torchao NF4"):
-        print(f"  {'published: ' + label:<50}{PUBLISHED[label]:6.2f} GiB")
-    for strategy, gib in talk_estimate.items():
-        print(f"  {'estimate of live bytes, ' + strategy:<50}{gib:6.2f} GiB")
-    print("batch 1 x 512")
-    print(f"  {'published: Answer.AI (rank 64), peak reserved':<50}{PUBLISHED['Answer.AI (rank 64), peak reserved']:6.2f} GiB")
-    for rank, gib in small.items():
-        print(f"  {f'estimate of live bytes, rank {rank}':<50}{gib:6.2f} GiB")
-    path = "../benchmarks/results/qlora_7b_estimate_cpu.json"
-    if os.path.exists(path):
-        with open(path) as fh:
-            saved = json.load(fh)
-        for strategy in ("fsdp2", "fsdp1"):
-            if f"fake_tensor_run_{strategy}" in saved:
-                print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<50}"
-                      f"{saved[f'fake_tensor_run_{strategy}']['peak_gib']:6.2f} GiB")
-    print(f"published minus estimate: {PUBLISHED['Answer.AI (rank 64), peak reserved'] - small[64]:.2f} GiB at batch 1 x 512 "
-          f"(rank 64); {PUBLISHED['talk, FSDP2 + torchao NF4'] - talk_estimate['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
+    lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small,
+                                            fake_tensor_results="../benchmarks/results/qlora_7b_estimate_cpu.json")
     """),
     md("""
     Where the gap at batch 1 × 512 comes from (sources in REFERENCES.md and Answer.AI's benchmark page):
@@ -474,34 +428,15 @@ CELLS = [
 
     def render(lora_rank, block_size, double_quant, world_size):
         per_rank, block_nf4, block_bf16 = seven_b(lora_rank, block_size, double_quant, world_size)
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        plot_breakdown({f"{world_size} ranks": per_rank}, ax=axes[0], unit="GiB", title="Llama-2-7B per rank (bf16)")
-        axes[1].bar(["NF4", "bf16"], [block_nf4 / 2**20, block_bf16 / 2**20], color=["tab:purple", "tab:gray"])
-        axes[1].set_ylabel("MiB per block all-gather"); axes[1].set_title("one block's all-gather")
-        fig.tight_layout()
-        bits = 8 * block_nf4 / (block_bf16 / 2)
-        return fig, (f"{bits:.3f} bits/weight; model states {sum(per_rank.values()) / 2**30:.2f} GiB per rank; "
-                     f"all-gather {block_nf4 / 2**20:.1f} MiB vs {block_bf16 / 2**20:.1f} MiB in bf16")
+        return lab08.draw_7b_states(per_rank, block_nf4, block_bf16, world_size)
 
     fig, text = render(8, 64, True, 2)
     print(text)
     files.savefig(fig, "explore_7b.png", dpi=90)
-    c7, world = LlamaConfig.from_name("llama2-7b"), 2
-    frozen = 2 * (2 * c7.vocab_size * c7.dim + (2 * c7.n_layers + 1) * c7.dim) / world  # bf16 embeddings, output, norms
-    for lora_rank in (8, 64):
-        per_rank, _, _ = seven_b(lora_rank, 64, True, world)
-        adapters = per_rank["sharded_params"] - frozen + per_rank["sharded_grads"] + per_rank["optimizer_state"]
-        print(f"LoRA rank {lora_rank:2d}, GiB per rank of {world}: NF4 weights {per_rank['quantized'] / 2**30:.2f}, "
-              f"adapters with grads and AdamW state {adapters / 2**30:.2f}, frozen embeddings + norms + output "
-              f"{frozen / 2**30:.2f} -> adapters {'larger' if adapters > frozen else 'smaller'} than the frozen part")
+    lab08.print_adapters_against_frozen(seven_b, world_size=2)
     """),
     code("""
-    explorer = Explorer({
-        "lora_rank": widgets.Dropdown(options=[4, 8, 16, 64], value=8, description="LoRA rank"),
-        "block_size": widgets.Dropdown(options=[32, 64, 128, 256], value=64, description="block size"),
-        "double_quant": widgets.Checkbox(value=True, description="double quant"),
-        "world_size": widgets.Dropdown(options=[1, 2, 4, 8], value=2, description="world size"),
-    }, render, title="QLoRA at 7B: memory and bytes")
+    explorer = lab08.qlora_7b_explorer(render)
     explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
