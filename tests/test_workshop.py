@@ -121,6 +121,31 @@ def test_committed_notebooks_keep_solutions_apart(lab):
         assert all(c.get("execution_count") for c in nb["cells"] if c["cell_type"] == "code")
 
 
+def _compared_outputs(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(source, printed text) of each code cell whose output nbval compares."""
+    cells = []
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code" or "nbval-ignore-output" in cell["metadata"].get("tags", []):
+            continue
+        text = "".join("".join(o["text"]) if "text" in o else "".join(o.get("data", {}).get("text/plain", ""))
+                       for o in cell.get("outputs", []))
+        cells.append(("".join(cell["source"]), text))
+    return cells
+
+
+@pytest.mark.parametrize("lab", LABS_WITH_EXERCISES)
+def test_both_copies_print_the_same_outside_the_exercises(lab):
+    """A learner's copy and the solution differ only in the exercise cells and their checks'
+    verdicts: every other compared cell prints the same in both (a path that works from labs/
+    but not from labs/solutions/ shows up here)."""
+    student = _compared_outputs(LABS / f"{lab}.ipynb")
+    solution = _compared_outputs(LABS / "solutions" / f"{lab}.ipynb")
+    assert len(student) == len(solution)
+    for (source, printed), (solution_source, solution_printed) in zip(student, solution):
+        if source == solution_source and ".check_" not in source:
+            assert printed == solution_printed, f"{lab}: the copies print differently after\n{source}"
+
+
 @pytest.mark.parametrize("lab", LABS_WITH_EXERCISES)
 def test_at_least_three_quarters_of_code_cells_are_compared(lab):
     for path in (LABS / f"{lab}.ipynb", LABS / "solutions" / f"{lab}.ipynb"):

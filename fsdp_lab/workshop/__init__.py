@@ -10,7 +10,10 @@ Layout (one module per lab, so labs gain exercises without touching each other):
   copy of the notebook (``labs/`` or ``labs/solutions/``); the solution copy never
   overwrites a figure.
 * ``labNN.py``: the checkers of lab NN (``check_<exercise>(answer) -> Verdict``), each
-  against an independent reference: single-process training, a formula, fsdp_lab's own code.
+  against an independent reference: single-process training, a formula, fsdp_lab's own code;
+  and the figure, table and text helpers the lab's notebook calls.
+* ``measure.py``: bytes on the wire of timeline events; ``repeats.py``: timed runs repeated
+  (mean ± sd, whether two runs differ beyond the spread).
 * ``zero.py``: DDP and ZeRO-1/2/3 by hand, lab 03's exercises and reference.
 * ``cli.py``: ``fsdp-lab lab list | reset NN | solution NN``.
 

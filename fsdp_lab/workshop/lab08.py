@@ -254,7 +254,8 @@ def print_published_against_estimates(published: dict, talk_estimate: dict, smal
     ``published`` {label: GiB} with the two talk figures and Answer.AI's; ``talk_estimate``
     {strategy: GiB} at batch 8 x 2048, rank 8; ``small_batch_estimate`` {LoRA rank: GiB} at batch
     1 x 512, ranks 8 and 64. The fake-tensor runs of ``benchmarks/qlora_7b.py`` are added from the
-    JSON file ``fake_tensor_results`` when it exists. Raises KeyError for a missing figure."""
+    JSON file ``fake_tensor_results`` (a path); without it a line says how to make it. Raises
+    KeyError for a missing figure."""
     print("batch 8 x 2048, rank 8")
     for label in TALK:
         print(f"  {'published: ' + label:<50}{published[label]:6.2f} GiB")
@@ -271,6 +272,8 @@ def print_published_against_estimates(published: dict, talk_estimate: dict, smal
             if f"fake_tensor_run_{strategy}" in saved:
                 print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<50}"
                       f"{saved[f'fake_tensor_run_{strategy}']['peak_gib']:6.2f} GiB")
+    else:
+        print(f"  (no fake-tensor runs: {fake_tensor_results} is missing; python benchmarks/qlora_7b.py writes it)")
     print(f"published minus estimate: {published[ANSWER_AI] - small_batch_estimate[64]:.2f} GiB at batch 1 x 512 "
           f"(rank 64); {published[TALK[1]] - talk_estimate['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
 

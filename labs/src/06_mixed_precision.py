@@ -28,7 +28,6 @@ CELLS = [
     %matplotlib inline
     import contextlib, dataclasses, math, os
     import torch
-    import torch.nn as nn
     import torch.distributed as dist
     import matplotlib.pyplot as plt
     import fsdp_lab

@@ -25,7 +25,7 @@ CELLS = [
     """),
     code("""
     %matplotlib inline
-    import math, os
+    import os
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -34,8 +34,8 @@ CELLS = [
     import fsdp_lab
     from fsdp_lab.workshop import lab_files, lab08
     from fsdp_lab.qlora import NF4_CODEBOOK, NF4Tensor, LoRALinear, apply_lora, build_nf4_codebook, to_nf4
-    from fsdp_lab.qlora.nf4 import (nearest_nf4_code, nf4_bits_per_param, nf4_storage_bytes, pack_nibbles,
-                                    quantize_nf4_blocks, unpack_nibbles)
+    from fsdp_lab.qlora.nf4 import (nf4_bits_per_param, nf4_storage_bytes, pack_nibbles, quantize_nf4_blocks,
+                                    unpack_nibbles)
     from fsdp_lab.memory.estimate import estimate
     from fsdp_lab.models.llama import LlamaConfig
 
@@ -388,7 +388,7 @@ CELLS = [
     talk_estimate = {s: live_gib(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
     small = {rank: live_gib(rank=rank) for rank in (8, 64)}
     lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small,
-                                            fake_tensor_results="../benchmarks/results/qlora_7b_estimate_cpu.json")
+                                            fake_tensor_results=files.labs.parent / "benchmarks/results/qlora_7b_estimate_cpu.json")
     """),
     md("""
     Where the gap at batch 1 × 512 comes from (sources in REFERENCES.md and Answer.AI's benchmark page):
