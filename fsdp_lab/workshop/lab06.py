@@ -9,9 +9,9 @@
   this rank's gradient shards and agree across ranks whether any is inf/NaN. Reference:
   ``torch.amp.GradScaler`` stepping the whole (unsharded) gradient on one process.
 
-The lab's figures, tables and explorer are drawn here too (``draw_gradient_life``,
+The lab's figures, tables and the explorer's figure are drawn here too (``draw_gradient_life``,
 ``print_policy_memory``, ``plot_policies``, ``print_policy_ratios``, ``print_policy_losses``,
-``print_optim_mode_bug``, ``plot_optim_mode_bug``, ``draw_policy_run``, ``policy_explorer``);
+``print_optim_mode_bug``, ``plot_optim_mode_bug``, ``draw_policy_run``);
 the notebook keeps the training runs and the policies they draw.
 """
 
@@ -387,21 +387,3 @@ def draw_policy_run(run: dict):
     scaling = (f" | loss scale {run['scale']:g}, {run['skipped']} of {steps} steps skipped"
                if run["scale"] is not None else "")
     return fig, f"per step on rank 0: {wire} | loss {run['losses'][0]:#.3g} -> {run['losses'][-1]:#.3g}{scaling}"
-
-
-def policy_explorer(render, dtypes: list[str]):
-    """The lab's policy explorer: dropdowns for the compute, master, accumulation and wire dtypes
-    (names from ``dtypes``; master is "float32" or "native") and a steps slider, each passed to
-    ``render`` by keyword (``param_dtype``, ``main_params``, ``main_grads``, ``comm``, ``steps``).
-    Runs on the Run button only: each render launches a training run. Returns the Explorer."""
-    import ipywidgets as widgets
-
-    from fsdp_lab.viz.widgets import Explorer
-
-    return Explorer({
-        "param_dtype": widgets.Dropdown(options=list(dtypes), value="bfloat16", description="compute"),
-        "main_params": widgets.Dropdown(options=["float32", "native"], value="float32", description="master"),
-        "main_grads": widgets.Dropdown(options=list(dtypes), value="float32", description="accumulate"),
-        "comm": widgets.Dropdown(options=list(dtypes), value="bfloat16", description="wire"),
-        "steps": widgets.IntSlider(value=20, min=5, max=50, step=5, description="steps"),
-    }, render, title="Build a mixed-precision policy", auto=False)

@@ -9,9 +9,9 @@
   tensors. B is random here, not zero as at initialisation: a zero B hides every mistake in the
   update.
 
-The lab's figures, tables and explorer are drawn here too (``plot_codebook_over_normal``,
+The lab's figures, tables and the explorer's figure are drawn here too (``plot_codebook_over_normal``,
 ``print_memory_at_rest``, ``plot_qlora_two_ranks``, ``print_published_against_estimates``,
-``draw_7b_states``, ``print_adapters_against_frozen``, ``qlora_7b_explorer``), with the timing
+``draw_7b_states``, ``print_adapters_against_frozen``), with the timing
 and gathered-bytes helpers ``shortest_time`` and ``bytes_still_gathered``; the notebook keeps the
 quantization, the runs and the arithmetic they draw.
 """
@@ -314,18 +314,3 @@ def print_adapters_against_frozen(model_states, world_size: int = 2) -> None:
         print(f"LoRA rank {lora_rank:2d}, GiB per rank of {world}: NF4 weights {per_rank['quantized'] / 2**30:.2f}, "
               f"adapters with grads and AdamW state {adapters / 2**30:.2f}, frozen embeddings + norms + output "
               f"{frozen / 2**30:.2f} -> adapters {'larger' if adapters > frozen else 'smaller'} than the frozen part")
-
-def qlora_7b_explorer(render):
-    """The lab's 7B explorer: LoRA rank, block size, double quantization and world size, each
-    passed to ``render`` by keyword (``lora_rank``, ``block_size``, ``double_quant``,
-    ``world_size``); redrawn on every change. Returns the Explorer."""
-    import ipywidgets as widgets
-
-    from fsdp_lab.viz.widgets import Explorer
-
-    return Explorer({
-        "lora_rank": widgets.Dropdown(options=[4, 8, 16, 64], value=8, description="LoRA rank"),
-        "block_size": widgets.Dropdown(options=[32, 64, 128, 256], value=64, description="block size"),
-        "double_quant": widgets.Checkbox(value=True, description="double quant"),
-        "world_size": widgets.Dropdown(options=[1, 2, 4, 8], value=2, description="world size"),
-    }, render, title="QLoRA at 7B: memory and bytes")

@@ -30,6 +30,7 @@ CELLS = [
     import torch
     import torch.distributed as dist
     import matplotlib.pyplot as plt
+    import ipywidgets as widgets
     import fsdp_lab
     from fsdp_lab import collectives
     from fsdp_lab.fsdp2 import fully_shard
@@ -40,6 +41,7 @@ CELLS = [
     from fsdp_lab.precision import MixedPrecisionPolicy, accumulation_dtype, grad_comm_dtype, main_params_dtype
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.workshop import lab_files, lab06
+    from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop.zero import ZeRO1
 
     files = lab_files("06_mixed_precision")   # labs/figures/06_mixed_precision, from labs/ or labs/solutions/
@@ -461,7 +463,14 @@ CELLS = [
     plt.show()
     """),
     code("""
-    explorer = lab06.policy_explorer(render, list(DTYPES))
+    names = list(DTYPES)
+    explorer = Explorer({  # each render launches a training run: it runs on the Run button only
+        "param_dtype": widgets.Dropdown(options=names, value="bfloat16", description="compute"),
+        "main_params": widgets.Dropdown(options=["float32", "native"], value="float32", description="master"),
+        "main_grads": widgets.Dropdown(options=names, value="float32", description="accumulate"),
+        "comm": widgets.Dropdown(options=names, value="bfloat16", description="wire"),
+        "steps": widgets.IntSlider(value=20, min=5, max=50, step=5, description="steps"),
+    }, render, title="Build a mixed-precision policy", auto=False)
     explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""

@@ -30,6 +30,7 @@ CELLS = [
     import torch.nn as nn
     import torch.nn.functional as F
     import matplotlib.pyplot as plt
+    import ipywidgets as widgets
     from torch.utils._python_dispatch import TorchDispatchMode
     import fsdp_lab
     from fsdp_lab.workshop import lab_files, lab08
@@ -38,6 +39,7 @@ CELLS = [
                                     unpack_nibbles)
     from fsdp_lab.memory.estimate import estimate
     from fsdp_lab.models.llama import LlamaConfig
+    from fsdp_lab.viz.widgets import Explorer
 
     files = lab_files("08_qlora")   # labs/figures/08_qlora in the lab build, else labs/my_figures/08_qlora
     print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
@@ -436,7 +438,12 @@ CELLS = [
     lab08.print_adapters_against_frozen(seven_b, world_size=2)
     """),
     code("""
-    explorer = lab08.qlora_7b_explorer(render)
+    explorer = Explorer({
+        "lora_rank": widgets.Dropdown(options=[4, 8, 16, 64], value=8, description="LoRA rank"),
+        "block_size": widgets.Dropdown(options=[32, 64, 128, 256], value=64, description="block size"),
+        "double_quant": widgets.Checkbox(value=True, description="double quant"),
+        "world_size": widgets.Dropdown(options=[1, 2, 4, 8], value=2, description="world size"),
+    }, render, title="QLoRA at 7B: memory and bytes")
     explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
