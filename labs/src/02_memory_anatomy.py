@@ -128,14 +128,14 @@ CELLS = [
     with MemoryTracker(model, opt) as mt:
         train_step()
     peak = mt.peak()
-    print("peak during:", mt.result().peak_label)
+    print("peak after:", mt.result().peak_label)
     for c in CATEGORIES:
         if peak[c]:
             print(f"  {c:<16}{peak[c] / MiB:9.3f} MiB")
     print(f"  {'total':<16}{mt.peak_total() / MiB:9.3f} MiB")
     """),
     md("""
-    The peak falls at the start of backward: every activation is still alive, and the loss's gradient
+    The peak comes after the end of forward, at the start of backward: every activation is still alive, and the loss's gradient
     (float32, batch x seq x vocab, twice) is being computed. Now the estimate for the same configuration —
     `ddp` on one process is plain single-process training:
     """),
