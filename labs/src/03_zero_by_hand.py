@@ -309,7 +309,8 @@ CELLS = [
     ### 4.4 ZeRO-3: shard the parameters (FSDP)
 
     `setup`: take each parameter's shard with `self.param_shard(p)` (a copy: the parameter's own storage
-    is about to be freed), keep `self.shard_of = {p: shard}`, free every parameter, hook each gradient as in
+    is about to be freed), keep them as `self.shards` (in `self.params`' order: `full_parameters` reads
+    them there) and as `self.shard_of = {p: shard}`, free every parameter, hook each gradient as in
     ZeRO-2, build the optimizer over the shards, and give every unit in `self.units()` three hooks:
     `register_forward_pre_hook` → gather, `register_forward_hook` → free,
     `register_full_backward_pre_hook` → gather again. `gather`: for each parameter of the unit,
