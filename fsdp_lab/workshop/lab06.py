@@ -195,7 +195,7 @@ def check_unscale_and_check(unscale_and_check):
         if len(set(found)) > 1:
             return mistake("local_only", f"with {case}, rank 0 said {found[0]} and rank 1 {found[1]}: each rank "
                                          "looked only at its own shard, so one rank would step and the other "
-                                         "skip and the replicas drift apart",
+                                         "skip: the model would mix updated and stale shards",
                            hint="all-reduce the flag (op='max') so every rank decides the same")
     if verdicts["inf on rank 1"][0] and not verdicts["nan on rank 0"][0]:
         return mistake("missed_nan", "an inf was found but a NaN was not: torch.isinf misses NaN",
@@ -386,4 +386,4 @@ def draw_policy_run(run: dict):
     wire = ", ".join(f"{k} {v:,d} B" for k, v in run["wire"].items())
     scaling = (f" | loss scale {run['scale']:g}, {run['skipped']} of {steps} steps skipped"
                if run["scale"] is not None else "")
-    return fig, f"per step on rank 0: {wire} | loss {run['losses'][0]:#.3g} -> {run['losses'][-1]:#.3g}{scaling}"
+    return fig, f"per step on rank 0: {wire} | loss ≈{run['losses'][0]:#.3g} -> ≈{run['losses'][-1]:#.3g}{scaling}"

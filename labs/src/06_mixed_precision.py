@@ -410,8 +410,9 @@ CELLS = [
     """),
     md("""
     Under FSDP each rank holds only its **shard** of each gradient, so one rank can find an inf the
-    others do not. If each rank decided alone, one would step and the other skip, and the replicas of
-    every later all-gather would disagree. So both scalers all-reduce the "found inf" flag across the ranks
+    others do not. If each rank decided alone, one would step and the other skip: the model would mix
+    updated and stale shards, and the ranks' loss scales would part, so later reduce-scatters would add
+    gradients scaled differently. So both scalers all-reduce the "found inf" flag across the ranks
     before deciding: PyTorch's `ShardedGradScaler` with the default op, SUM (a non-zero sum means some rank
     overflowed), and `fsdp_lab.grad_scaler.ShardedLossScaler` (tested against `torch.amp.GradScaler`) with
     MAX.
