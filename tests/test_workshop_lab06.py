@@ -62,14 +62,36 @@ def via_all_reduce(local_grad, wire_dtype):
     return total[rank * k:(rank + 1) * k].float() / world
 
 
+def local_only(local_grad, wire_dtype):
+    import torch.distributed as dist
+    return local_grad.chunk(dist.get_world_size())[dist.get_rank()].clone()
+
+
+def torch_distributed(local_grad, wire_dtype):
+    """A right answer that calls torch.distributed directly (the Timeline cannot see it)."""
+    import torch.distributed as dist
+    shard = torch.empty(local_grad.numel() // dist.get_world_size(), dtype=wire_dtype)
+    dist.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))
+    return shard.float() / dist.get_world_size()
+
+
+def torch_distributed_fp32_wire(local_grad, wire_dtype):
+    import torch.distributed as dist
+    shard = torch.empty(local_grad.numel() // dist.get_world_size())
+    dist.reduce_scatter_tensor(shard, local_grad)
+    return shard / dist.get_world_size()
+
+
 REDUCE_WRONG = {"added_to_local_shard": megatron_optim_bug, "not_averaged": summed, "wire_not_bf16": fp32_wire,
-                "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce}
+                "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce,
+                "no_collective": local_only, "wrong_values_bf16": torch_distributed_fp32_wire}
 
 
 @pytest.fixture(scope="module")
 def reduce_launch():
     solution = LAB06["reduce_grad_shard"][1]
-    return SharedLaunch(lab06._run_reduce, [(solution,)] + [(f,) for f in REDUCE_WRONG.values()],
+    answers = [solution, torch_distributed, *REDUCE_WRONG.values()]
+    return SharedLaunch(lab06._run_reduce, [(f,) for f in answers],
                         world_size=lab06.WORLD)
 
 
@@ -81,6 +103,8 @@ def test_reduce_grad_shard_verdicts(reduce_launch, monkeypatch):
     right = lab06.check_reduce_grad_shard(solution)
     # 8 elements: 32 bytes in float32, 16 in bf16 per reduce-scatter
     assert right.solved and "moved 16 bytes per reduce-scatter instead of 32" in right.message
+    direct = lab06.check_reduce_grad_shard(torch_distributed)
+    assert direct.solved and "torch.distributed" in direct.message
     for name, answer in REDUCE_WRONG.items():
         assert lab06.check_reduce_grad_shard(answer).mistake == name, name
 
