@@ -40,7 +40,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from fsdp_lab.dist import current_device
+from fsdp_lab.dist import backend_for, current_device
 from fsdp_lab.launch import launch
 
 # torch >= 2.13 names them all_gather_single and reduce_scatter_single; older versions only
@@ -188,8 +188,9 @@ def _reduce_op(op) -> dist.ReduceOp:
     return op
 
 
-def _backend(group) -> str:
-    return str(dist.get_backend(group)).lower()
+def _backend(group, tensor: torch.Tensor) -> str:
+    # per tensor: a "cpu:gloo,cuda:nccl" group runs CPU tensors on gloo and CUDA tensors on NCCL
+    return backend_for(tensor.device.type, group)
 
 
 def _human_bytes(n: int) -> str:
@@ -242,7 +243,7 @@ def _run(works: list, finish: Callable[[], None] | None, entered: tuple | None, 
 
 
 def _staging(tensor: torch.Tensor, group) -> bool:
-    return tensor.is_cuda and _backend(group) == "gloo"
+    return tensor.is_cuda and _backend(group, tensor) == "gloo"
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None,
@@ -291,7 +292,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         )
     reduce_op = _reduce_op(op)
     entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
-    if _backend(group) != "gloo":
+    if _backend(group, input) != "gloo":
         with _BLOCKING:
             work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=True)
         return _run([work], None, entered, async_op, lane, meta, impl="native")
@@ -351,7 +352,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     """Reduce ``tensor`` in place across ranks. "avg" on gloo is a SUM then a division."""
     n = dist.get_world_size(group)
     reduce_op = _reduce_op(op)
-    gloo = _backend(group) == "gloo"
+    gloo = _backend(group, tensor) == "gloo"
     staged = _staging(tensor, group)
     divide = gloo and reduce_op == dist.ReduceOp.AVG
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
@@ -389,10 +390,10 @@ def ensure_reducible(dtype: torch.dtype, group=None) -> None:
     ranks run the same software, so they agree). Integer and bool dtypes are refused
     for gradient reductions by the FSDP policies, not here.
     """
-    backend = _backend(group)
+    device = "cuda" if backend_for("cuda", group) == "nccl" else "cpu"  # where gradients are reduced
+    backend = backend_for(device, group)
     key = (backend, dtype)
     if key not in _reducible_checked:
-        device = "cuda" if backend == "nccl" else "cpu"
         probe = torch.zeros(1, dtype=dtype, device=device)
         try:
             with _BLOCKING:  # not counted in last_entered: a one-off probe, not the program's own

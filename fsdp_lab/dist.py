@@ -71,6 +71,25 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     return backend
 
 
+def nccl_with_gloo_for_cpu(backend: str) -> str:
+    """The backend string to initialise a process group with: NCCL groups also get gloo for CPU
+    tensors ("cpu:gloo,cuda:nccl", as PyTorch's own default), so code that builds CPU tensors runs
+    unchanged on a GPU machine; gloo stays "gloo"."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def backend_for(device_type: str, group=None) -> str:
+    """The backend ("gloo", "nccl", "fake") that runs ``group``'s collectives on tensors of
+    ``device_type`` ("cpu" or "cuda"). A group made with a per-device string such as
+    "cpu:gloo,cuda:nccl" answers per device; a single-backend group answers its backend.
+    Raises ValueError (from torch) when ``group`` is not initialised."""
+    config = str(dist.get_backend(group)).lower()
+    if ":" not in config:
+        return config
+    per_device = dict(part.split(":", 1) for part in config.split(","))
+    return per_device.get(device_type, next(iter(per_device.values())))
+
+
 def device_for_rank(local_rank: int, backend: str) -> torch.device:
     """The device rank ``local_rank`` computes on: cuda:local_rank under NCCL,
     cuda:(local_rank % n_gpus) under gloo when GPUs exist (shared GPUs), cpu otherwise."""
@@ -93,7 +112,7 @@ def current_device() -> torch.device:
         return torch.device(forced)
     if dist.is_initialized() and not is_simulated():
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        return device_for_rank(local_rank, dist.get_backend())
+        return device_for_rank(local_rank, backend_for("cuda"))
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -104,7 +123,7 @@ def comm_needs_host_staging() -> bool:
     GPUs): gloo cannot take CUDA tensors for every collective, so they go through host memory."""
     return (
         dist.is_initialized()
-        and dist.get_backend() == "gloo"
+        and backend_for("cuda") == "gloo"
         and current_device().type == "cuda"
     )
 
@@ -156,7 +175,7 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
         device_id = torch.device("cuda", local_rank)
         torch.cuda.set_device(device_id)
     dist.init_process_group(
-        backend,
+        nccl_with_gloo_for_cpu(backend),
         init_method="env://",
         rank=rank,
         world_size=world_size,

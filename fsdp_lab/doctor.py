@@ -235,9 +235,9 @@ def _all_reduce_probe() -> float:
     import torch
     import torch.distributed as dist
 
-    from fsdp_lab.dist import current_device
+    from fsdp_lab.dist import backend_for, current_device
 
-    device = current_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = current_device() if backend_for("cuda") == "nccl" else torch.device("cpu")
     value = torch.tensor([float(dist.get_rank() + 1)], device=device)
     dist.all_reduce(value)
     return float(value.item())

@@ -102,7 +102,8 @@ def main(spec: dict) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+            fdist.nccl_with_gloo_for_cpu(backend), store=store, rank=rank, world_size=world_size,
+            timeout=timeout,
             device_id=torch.device(device) if backend == "nccl" else None,
         )
         # Wait until every rank is through init: a rank that finished fn and exited while a

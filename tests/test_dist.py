@@ -109,6 +109,35 @@ def test_host_staging_is_gloo_with_cuda_tensors(gloo_world_of_one, monkeypatch):
     assert comm_needs_host_staging() is False
 
 
+def test_backend_for_answers_per_device(monkeypatch):
+    assert fdist.nccl_with_gloo_for_cpu("nccl") == "cpu:gloo,cuda:nccl"   # PyTorch's own default pair
+    assert fdist.nccl_with_gloo_for_cpu("gloo") == "gloo"
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert (fdist.backend_for("cpu"), fdist.backend_for("cuda")) == ("gloo", "nccl")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert (fdist.backend_for("cpu"), fdist.backend_for("cuda")) == ("gloo", "gloo")
+
+
+def test_collectives_run_on_a_per_device_process_group():
+    """A group initialised with a per-device string (what launch makes for NCCL, here its CPU half)
+    runs fsdp_lab's collectives on CPU tensors."""
+    from fsdp_lab import collectives
+    dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        assert str(dist.get_backend()) == "cpu:gloo" and fdist.backend_for("cpu") == "gloo"
+        t = torch.arange(4.0)
+        collectives.all_reduce(t, op="avg")
+        out = torch.empty(4)
+        collectives.reduce_scatter_tensor(out, torch.arange(4.0))
+        gathered = torch.empty(4)
+        collectives.all_gather_into_tensor(gathered, torch.arange(4.0))
+        collectives.ensure_reducible(torch.float32)
+        assert torch.equal(t, torch.arange(4.0)) and torch.equal(out, t) and torch.equal(gathered, t)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_simulated_world_refuses_a_real_process_group(gloo_world_of_one):
     with pytest.raises(RuntimeError, match=r"a real one \(gloo, world size 1\) is initialised"):
         with simulated_world(4):

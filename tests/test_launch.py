@@ -344,7 +344,9 @@ def _cuda_report():
     device = current_device()
     t = torch.full((2,), float(dist.get_rank() + 1), device=device)
     collectives.all_reduce(t)
-    return {"device": str(device), "backend": dist.get_backend(), "t": t,
+    cpu_sum = torch.full((1,), float(dist.get_rank() + 1))   # a CPU tensor: gloo beside NCCL
+    collectives.all_reduce(cpu_sum)
+    return {"device": str(device), "backend": str(dist.get_backend()), "t": t, "cpu_sum": cpu_sum,
             "staging": comm_needs_host_staging()}
 
 
@@ -354,7 +356,8 @@ def test_gpu_ranks_return_cpu_tensors():
     results = launch(_cuda_report, world_size=2, timeout=300)
     for rank, r in enumerate(results):
         assert r["t"].device.type == "cpu" and torch.equal(r["t"], torch.full((2,), 3.0))
+        assert torch.equal(r["cpu_sum"], torch.full((1,), 3.0))
         if n_gpus >= 2:
-            assert (r["backend"], r["device"], r["staging"]) == ("nccl", f"cuda:{rank}", False)
+            assert (r["backend"], r["device"], r["staging"]) == ("cpu:gloo,cuda:nccl", f"cuda:{rank}", False)
         else:
             assert (r["backend"], r["device"], r["staging"]) == ("gloo", "cuda:0", True)
