@@ -20,8 +20,9 @@ CELLS = [
     5. write two small pieces of data-parallel code yourself: a mean over ranks that hold different
        amounts of data, and the range of elements a rank owns in a sharded tensor.
 
-    Everything here runs on a laptop CPU (the *gloo* backend). On a machine with GPUs the same cells use
-    NCCL and one GPU per rank.
+    Everything here runs on a laptop CPU (the *gloo* backend). On a machine with a GPU per rank the same
+    cells run unchanged: `launch` then makes a process group that sends CUDA tensors over NCCL and the CPU
+    tensors these cells build over gloo.
 
     **How the exercises work.** An exercise cell holds a stub, `raise NotImplementedError("…")`, under a
     statement of the task: replace the stub with your code, run the cell, then run the checking cell below
@@ -74,7 +75,7 @@ CELLS = [
             print(f"{greeting} from rank 0 of {world}")
         return {"rank": rank, "world_size": world, "backend": dist.get_backend(), "pid": os.getpid()}
 
-    results = fsdp_lab.launch(whoami, "hello", world_size=4)   # gloo on CPU; NCCL with >= 4 GPUs
+    results = fsdp_lab.launch(whoami, "hello", world_size=4)   # gloo on CPU; NCCL (+ gloo for CPU tensors) with >= 4 GPUs
     for r in results:
         print(f"rank {r['rank']} of {r['world_size']}")
     print("distinct processes:", len({r['pid'] for r in results}), "| this notebook is one of them:",
@@ -144,8 +145,8 @@ CELLS = [
     unless something stops them (if the skipping rank simply *exits*, its peers get a "connection closed"
     error instead, which `launch` reports like any failure). `launch` ends the run and reports, per rank,
     the last collective it entered, which usually points straight at the mismatch. When every rank has
-    waited two seconds inside collectives that are not the same operation, none of them can ever
-    complete, so `launch` stops the ranks then; a hang it cannot recognise (a rank stuck in a loop, or one
+    sat, unchanged for a short grace period, inside collectives that are not the same operation, none of
+    them can ever complete, so `launch` stops the ranks then; a hang it cannot recognise (a rank stuck in a loop, or one
     that never enters the collective its peers wait in) ends at `timeout=…` seconds.
 
     In that report `#N` numbers the collectives one rank has entered since it started, **of every kind**:
@@ -176,7 +177,8 @@ CELLS = [
     ## 5. Explore: world size and collective
 
     Pick a world size and a collective; the widget launches the ranks and draws who holds what. Widget
-    state is not saved in the notebook, so the static figure above shows one run of the same function.
+    state is not saved in the notebook, so a saved copy shows nothing here until the cell runs; section 3's
+    figure is the same drawing for an all-reduce on 4 ranks.
     """),
     code("""
     def run_collective(op):
