@@ -149,7 +149,7 @@ def check_my_reduce_scatter(my_reduce_scatter):
         if other:
             return mistake("wrong_chunk", f"rank {rank} returned the chunk of rank {other[0]}; "
                                           f"rank r keeps elements [r·k, (r+1)·k)",
-                           "slice with the rank: t[rank * k:(rank + 1) * k]")
+                           "slice the all-reduced copy with the rank: total[rank * k:(rank + 1) * k]")
         if _same(result, expected[rank] / WORLD):
             return mistake("averaged", f"rank {rank} holds the average of its chunk, the sum "
                                        f"divided by {WORLD}: a reduce-scatter sums")
