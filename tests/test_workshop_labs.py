@@ -311,16 +311,52 @@ class KeptAfterBackwardZeRO3(zero.ZeRO3):
         p.grad = None                                   # the parameter is not freed
 
 
+class UntaggedGradZeRO1(zero.ZeRO1):
+    def after_backward(self):
+        for p, shard in zip(self.params, self.shards):
+            shard.grad = torch.empty_like(shard)        # right values; the tracker cannot name it
+            collectives.reduce_scatter_tensor(shard.grad, p.grad.reshape(-1), op="avg")
+            p.grad = None
+
+
+class UntaggedShardsZeRO3(zero.ZeRO3):
+    def setup(self):
+        shards = [self.my_slice(p.data).clone().requires_grad_() for p in self.params]  # not param_shard
+        self.shards, self.shard_of = shards, dict(zip(self.params, shards))
+        self._hook_up()
+
+    def _hook_up(self):
+        for p, shard in zip(self.params, self.shards):
+            zero.free_storage(p)
+            p.register_post_accumulate_grad_hook(functools.partial(self.reduce_gradient, shard))
+        self.optimizer = self.make_optimizer(self.shards)
+        for unit in self.units():
+            unit.register_forward_pre_hook(lambda module, args: self.gather(module))
+            unit.register_forward_hook(lambda module, args, output: self.free(module))
+            unit.register_full_backward_pre_hook(lambda module, grad_output: self.gather(module))
+
+
+class ShardOfOnlyZeRO3(UntaggedShardsZeRO3):
+    def setup(self):
+        self.shard_of = {p: self.param_shard(p) for p in self.params}   # self.shards never set
+        self.shards = list(self.shard_of.values())
+        self._hook_up()
+        self.shards = None
+
+
 LAB03 = shipped("03_zero_by_hand")
 STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced"}),
           "ZeRO1": (lab03.check_zero1, zero.ZeRO1, {UngatheredZeRO1: "not_gathered",
                                                     AllReduceZeRO1: "wire_bytes",
                                                     OtherSliceZeRO1: "wrong_shard",
-                                                    StaleZeRO1: "stale_gradients"}),
+                                                    StaleZeRO1: "stale_gradients",
+                                                    UntaggedGradZeRO1: "untagged_grad_slices"}),
           "ZeRO2": (lab03.check_zero2, zero.ZeRO2, {LateDropZeRO2: "whole_grads_kept"}),
           "ZeRO3": (lab03.check_zero3, zero.ZeRO3, {NoBackwardGatherZeRO3: "freed_before_backward",
                                                     NeverFreedZeRO3: "not_freed_after_forward",
-                                                    KeptAfterBackwardZeRO3: "not_freed_after_backward"})}
+                                                    KeptAfterBackwardZeRO3: "not_freed_after_backward",
+                                                    UntaggedShardsZeRO3: "untagged_param_shards",
+                                                    ShardOfOnlyZeRO3: "no_self_shards"})}
 
 
 @pytest.fixture(scope="module")

@@ -213,6 +213,10 @@ def kib(nbytes: float) -> str:
 
 
 def _explain(error: BaseException, text: str):
+    if "self.shards is not set" in text:
+        return mistake("no_self_shards", "the stage never set self.shards, which the check reads to "
+                                         "gather the parameters from the shards",
+                       "in setup(): self.shards = [self.param_shard(p) for p in self.params]")
     if "optimizer" in text and "AttributeError" in text:
         return mistake("no_optimizer", "the stage has no `self.optimizer` after setup()",
                        "setup() must create self.optimizer (self.make_optimizer(tensors))")
@@ -326,9 +330,10 @@ def _check_stage(stage: str, stage_class):
         return mistake("optimizer_not_sharded", f"the optimizer state is {kib(got['optimizer_state'])} "
                                                 f"per rank; {stage} keeps {kib(want['optimizer_state'])}")
     if sharded and got["grad_slices"] != whole // world:
-        return mistake("untagged_grad_slices", f"the gradient slices measure "
-                                               f"{kib(got['grad_slices'])}, expected "
-                                               f"{kib(whole // world)}",
+        return mistake("untagged_grad_slices", f"the tracker counted {kib(got['grad_slices'])} of "
+                                               f"gradient slices, expected {kib(whole // world)}: it "
+                                               "counts a slice's gradient only when "
+                                               "self.new_grad_shard(shard) made it",
                        "make each slice's gradient with self.new_grad_shard(shard)")
     if stage in ("ZeRO-2", "ZeRO-3") and most.get("grads", 0):
         return mistake("whole_grads_kept", f"whole gradients stayed on the parameters "
@@ -336,6 +341,11 @@ def _check_stage(stage: str, stage_class):
                                            "in its hook, right after reducing it",
                        "set p.grad = None inside the post-accumulate-grad hook")
     if stage == "ZeRO-3":
+        if 0 < most.get("params", 0) <= whole // world:
+            return mistake("untagged_param_shards", f"{kib(most['params'])} of parameters were counted "
+                                                    "as whole ones, one shard's worth: the tracker knows "
+                                                    "a shard only when self.param_shard(p) made it",
+                           "in setup(): self.shards = [self.param_shard(p) for p in self.params]")
         if most.get("params", 0):
             return mistake("params_not_sharded", f"{kib(most['params'])} of whole parameters stayed "
                                                  "allocated: free every parameter in setup, after "

@@ -127,12 +127,17 @@ class DataParallel:
     def full_parameters(self, from_shards: bool = False) -> dict[str, torch.Tensor]:
         """{name: a copy of the whole parameter}: the parameter itself, or, with
         ``from_shards`` or when its storage is freed, the all-gather of ``self.shards`` (what a
-        ZeRO-3 forward would gather next). Every rank must call this together."""
+        ZeRO-3 forward would gather next). Every rank must call this together.
+
+        Raises ValueError when a shard is needed and ``self.shards`` was never set."""
         out = {}
         for i, (name, p) in enumerate(self.model.named_parameters()):
             if not from_shards and p.untyped_storage().nbytes() >= p.numel() * p.element_size():
                 out[name] = p.detach().clone()
             else:
+                if self.shards is None:
+                    raise ValueError("self.shards is not set: keep this rank's shard of every parameter "
+                                     "in self.shards (a list in model order) in setup(), as ZeRO-1 does")
                 whole = torch.empty(p.numel(), dtype=p.dtype)
                 collectives.all_gather_into_tensor(whole, self.shards[i].detach())
                 out[name] = whole.view(p.shape)

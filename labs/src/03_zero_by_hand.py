@@ -112,14 +112,16 @@ CELLS = [
 
     ## 2. Four stages on 2 ranks
 
-    Each stage trains the same model for 3 steps on 2 fresh ranks, each rank on its half of every batch;
-    step 2 is measured (memory per category with `MemoryTracker`, collectives with a `Timeline`). The
-    reference is single-process training on the whole batch.
+    Each stage trains the same model for `lab03.STEPS` steps on 2 fresh ranks, each rank on its half of
+    every batch; a step after the first (which creates AdamW's state) is measured: memory per category
+    with `MemoryTracker`, collectives with a `Timeline`. The cell prints which. The reference is
+    single-process training on the whole batch.
     """),
     code("""
     reference = lab03.reference(2)
     runs = {name: lab03.measure(stage, world_size=2) for name, stage in zero.STAGES.items()}
     measured = {name: lab03.summary(r) for name, r in runs.items()}
+    print(f"{lab03.STEPS} steps per stage; step {lab03.MEASURED_STEP + 1} measured")
 
     def matches(stage_runs):
         worst = max((run.final[n] - reference.final[n]).abs().max().item()
