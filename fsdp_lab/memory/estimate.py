@@ -339,8 +339,10 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
 
 
 def deepspeed_model_states(num_params: int, world_size: int, stage: int) -> int:
-    """DeepSpeed's published per-GPU model-state bytes for fp16 parameters with mixed-precision
-    AdamW (2 + 2 + 12 bytes per parameter): stage 0: 16P, 1: 4P + 12P/N, 2: 2P + 14P/N, 3: 16P/N."""
+    """The ZeRO paper's per-GPU model-state bytes (the stages DeepSpeed implements) for fp16
+    parameters with mixed-precision AdamW (2 + 2 + 12 bytes per parameter): stage 0: 16P,
+    1: 4P + 12P/N, 2: 2P + 14P/N, 3: 16P/N. DeepSpeed's own ZeRO-3 estimator adds the largest
+    layer whole and counts 18P/N. Raises KeyError for a stage outside 0-3."""
     P, N = num_params, world_size
     return {0: 16 * P, 1: 4 * P + 12 * P / N, 2: 2 * P + 14 * P / N, 3: 16 * P / N}[stage]
 

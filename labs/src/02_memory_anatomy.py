@@ -88,8 +88,8 @@ CELLS = [
 
     Llama-2-7B in bf16 with AdamW whose states are also bf16 (what `torch.optim.AdamW` does for bf16
     parameters). The estimator computes model states from exact parameter counts; the talk rounds P to
-    7 billion (14 + 14 + 28 GB). With mixed precision (fp32 master weights and Adam states, DeepSpeed's
-    accounting) it is 16 bytes per parameter, and ZeRO-3 / FSDP divides all of it by N.
+    7 billion (14 + 14 + 28 GB). With mixed precision (fp32 master weights and Adam states, the ZeRO
+    paper's accounting) it is 16 bytes per parameter, and ZeRO-3 / FSDP divides all of it by N.
     """),
     code("""
     b = estimate("llama2-7b", world_size=1, strategy="ddp", param_dtype=torch.bfloat16, batch_size=1, seq_len=4096)
@@ -102,7 +102,7 @@ CELLS = [
     z3 = estimate("llama2-7b", world_size=8, strategy="fsdp2", param_dtype=torch.bfloat16, optimizer="adamw_master",
                   batch_size=1, seq_len=4096)
     print(f"mixed precision, FSDP2 on 8 GPUs: {z3.model_states / GB:.2f} GB per GPU; "
-          f"DeepSpeed ZeRO-3 16P/N = {deepspeed_model_states(P, 8, 3) / GB:.2f} GB")
+          f"the ZeRO paper's stage 3, (2+2+12)P/N = {deepspeed_model_states(P, 8, 3) / GB:.2f} GB")
     """),
     md("""
     ## 3. Measure one training step on CPU
@@ -135,8 +135,8 @@ CELLS = [
     print(f"  {'total':<16}{mt.peak_total() / MiB:9.3f} MiB")
     """),
     md("""
-    The peak comes after the end of forward, at the start of backward: every activation is still alive, and the loss's gradient
-    (float32, batch x seq x vocab, twice) is being computed. Now the estimate for the same configuration —
+    The peak comes after the end of forward, at the start of backward: every activation is still alive,
+    and the loss's gradient (float32, batch x seq x vocab, twice) is being computed. Now the estimate for the same configuration —
     `ddp` on one process is plain single-process training:
     """),
     code("""
@@ -159,7 +159,9 @@ CELLS = [
 
     The tracker records a snapshot at every phase boundary: forward and backward of each block, the
     optimizer step. Activations build up through forward and drain through backward while gradients
-    appear; the optimizer step adds its temporaries on top of parameters + gradients + state.
+    appear. Through the optimizer step parameters, gradients and state are all alive at once (the
+    for-loop AdamW's per-parameter temporaries come and go between its two snapshots), and
+    `zero_grad(set_to_none=True)` then frees the gradients.
     """),
     code("""
     timeline = mt.timeline()
