@@ -50,6 +50,10 @@ def prefetch_ignored(forward, prefetch):
     return LAB07["backward_order"][1](forward, "none")
 
 
+def as_text(forward, prefetch):
+    return [f"{kind} {unit}" for kind, unit in LAB07["backward_order"][1](forward, prefetch)]
+
+
 def test_backward_order_verdicts(table):
     stub, solution = LAB07["backward_order"]
     assert lab07.check_backward_order(stub, table).mistake == "stub"
@@ -58,6 +62,7 @@ def test_backward_order_verdicts(table):
     assert lab07.check_backward_order(forward_not_reversed, table).mistake == "forward_order"
     assert lab07.check_backward_order(swapped, table).mistake == "pre_post_swapped"
     assert lab07.check_backward_order(prefetch_ignored, table).mistake == "wrong_pre"
+    assert lab07.check_backward_order(as_text, table).mistake == "not_pairs"
 
 
 # ----------------------------------------------------------------------------- collectives per step
@@ -98,11 +103,26 @@ def no_union(comm, compute):
     return hidden / total if total > 0 else 0.0
 
 
+def compute_union_only(comm, compute):
+    """Merges the compute intervals but not the comm ones: concurrent collectives count twice."""
+    merged = []
+    for a, b in sorted(compute):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return no_union(comm, merged)
+
+
+def divides_by_zero(comm, compute):
+    return LAB07["overlap_fraction"][1](comm, compute) if comm else 0.0 / sum(b - a for a, b in comm)
+
+
 def test_overlap_fraction_verdicts(table):
     stub, solution = LAB07["overlap_fraction"]
     assert lab07.check_overlap_fraction(stub, table).mistake == "stub"
     right = lab07.check_overlap_fraction(solution, table)
     assert right.solved and "on all 16 (run, rank) pairs" in right.message
     assert lab07.check_overlap_fraction(no_union, table).mistake == "nested_counted_twice"
-    with_zero_division = lambda comm, compute: no_union(comm, compute) if comm else 1 / 0  # noqa: E731
-    assert lab07.check_overlap_fraction(with_zero_division, table).status == "wrong"
+    assert lab07.check_overlap_fraction(compute_union_only, table).mistake == "concurrent_comm_counted_twice"
+    assert lab07.check_overlap_fraction(divides_by_zero, table).mistake == "no_comm"

@@ -15,6 +15,8 @@ timelines and counts were recorded from fsdp_lab's own FSDP1 and FSDP2: that is 
 
 from __future__ import annotations
 
+import statistics
+
 from fsdp_lab.workshop.checking import checker, correct, is_placeholder, mistake, placeholder_left
 
 ORDER_RUNS = {"none": ["fsdp2 block no-prefetch", "fsdp1 block none"], "pre": ["fsdp2 block", "fsdp1 block pre"],
@@ -58,6 +60,55 @@ def event_sequence(timeline, rank: int = 0, phase: str = "backward") -> str:
                        for e in window if e.kind == "comm" or e.args.get("phase") == phase)
 
 
+def print_offload_verdict(repeats, table, names: list[str], whole_model: str) -> None:
+    """Print which of the runs ``names`` had the shortest mean step window over ``repeats``
+    (``fsdp_lab.workshop.repeats.Repeats``), each run's collectives, gathered MiB and exposed comm
+    (ms), and whether the winner is beyond the run-to-run spread, with the reason that fits:
+    ``whole_model`` names the run whose single unit is the root."""
+    window = {n: statistics.mean(repeats.measured(n, "window")) for n in names}
+    window_sd = {n: statistics.stdev(repeats.measured(n, "window")) for n in names}
+    exposed = {n: statistics.mean(repeats.measured(n, "exposed_comm")) for n in names}
+    count = {n: table.row(n)["all_gathers"] + table.row(n)["reduce_scatters"] for n in names}
+    gathered = {n: table.row(n)["gathered_mib"] for n in names}
+    fastest = min(window, key=window.get)
+    others = [n for n in names if n != fastest]
+    print(f"Shortest mean step window in these {len(repeats)} runs: {fastest} ({window[fastest]:.1f} ± "
+          f"{window_sd[fastest]:.1f} ms); " + "; ".join(
+              f"{n}: {count[n]} collectives, {gathered[n]:.3f} MiB gathered, {exposed[n]:.1f} ms of comm not hidden"
+              for n in names) + ".")
+    if not all(repeats.apart(fastest, n, "window") for n in others):
+        print(f"{fastest}'s window is not shorter than every other wrapping's by more than one standard deviation "
+              "of each: in this run the spread is as large as some of the differences, so no wrapping is a clear "
+              "winner.")
+    elif fastest == whole_model:
+        print(f"The whole-model unit was faster beyond the spread. It issues fewer collectives ({count[fastest]} "
+              f"against {min(count[n] for n in others)} or more) and gathers fewer bytes ({gathered[fastest]:.3f} "
+              f"MiB against {min(gathered[n] for n in others):.3f} MiB: as the root it is not resharded after "
+              "forward, so backward gathers nothing again); both beat the overlap per-block units could get "
+              "here, where the host-to-device copies they could hide cost almost nothing.")
+    else:
+        print(f"{fastest} was faster beyond the spread: splitting the model let enough communication hide "
+              "under compute to pay for its extra collectives and for gathering its units again in backward, "
+              "which the whole-model unit (the root, kept gathered) skips.")
+
+
+def print_optimizer_peaks(repeats, names: list[str], labels: dict[str, str]) -> None:
+    """Print each run's peak total (MiB) of the tracked second step in every repeat and the phase
+    it falls after, whether the peaks repeat exactly, and per implementation (the first three
+    ``names`` FSDP2, the rest FSDP1: for_loop, foreach, fused) whether each peak falls inside
+    ``optimizer.step()``. ``labels`` renames runs for display."""
+    first = repeats[0]
+    print(f"{'run':22} {'peak total MiB, second step, each repeat':>41}   peak after (first repeat)")
+    peaks = {n: [run.row(n)["peak_total_mib"] for run in repeats] for n in names}
+    for n in names:
+        print(f"{labels.get(n, n):22} {', '.join(f'{v:.2f}' for v in peaks[n]):>41}   {first.row(n)['peak_phase']}")
+    print("every run's peak the same in all repeats:", all(len(set(v)) == 1 for v in peaks.values()))
+    for impl, group in (("fsdp2", names[:3]), ("fsdp1", names[3:])):
+        print(f"{impl}: for_loop / foreach / fused peaks (first repeat): "
+              + " / ".join(f"{peaks[n][0]:.2f}" for n in group) + " MiB; peak inside optimizer.step(): "
+              + " / ".join(str(first.row(n)["peak_phase"] == "optimizer step start") for n in group))
+
+
 def _show(events) -> str:
     return " -> ".join(f"{kind} {unit}" for kind, unit in events)
 
@@ -72,11 +123,18 @@ def check_backward_order(backward_order, table):
     answers = {mode: backward_order(list(forward), mode) for mode in ORDER_RUNS}
     if any(is_placeholder(a) for a in answers.values()):
         return placeholder_left("backward_order")
-    recorded = {mode: recorded_backward(table.timelines[names[0]]) for mode, names in ORDER_RUNS.items()}
-    answers = {mode: [tuple(e) for e in a] if isinstance(a, (list, tuple)) else a for mode, a in answers.items()}
-    if not all(isinstance(a, list) for a in answers.values()):
+    # every run of a setting (FSDP1's and FSDP2's) is a reference; the messages show the first
+    every_recorded = {mode: [recorded_backward(table.timelines[name]) for name in names]
+                      for mode, names in ORDER_RUNS.items()}
+    recorded = {mode: runs[0] for mode, runs in every_recorded.items()}
+    if not all(isinstance(a, (list, tuple)) for a in answers.values()):
         return mistake("not_a_list", "return a list of (kind, unit) pairs such as ('AG', 'layers.3')")
-    if all(a == recorded[m] for m, a in answers.items()):
+    if not all(isinstance(e, (list, tuple)) and len(e) == 2 for a in answers.values() for e in a):
+        bad = next(e for a in answers.values() for e in a if not (isinstance(e, (list, tuple)) and len(e) == 2))
+        return mistake("not_pairs", f"each event must be a (kind, unit) pair such as ('AG', 'layers.3'); "
+                                    f"you gave {bad!r}")
+    answers = {mode: [tuple(e) for e in a] for mode, a in answers.items()}
+    if all(all(a == run for run in every_recorded[m]) for m, a in answers.items()):
         return correct(f"your order is the one fsdp_lab's FSDP recorded for all three settings; with 'pre' "
                        f"(FSDP1 BACKWARD_PRE, FSDP2's default) {_show(recorded['pre'][:3])}: two blocks are "
                        "gathered at once, which is the extra unit in the peak")
@@ -154,18 +212,24 @@ def check_overlap_fraction(overlap_fraction, table):
     nested = overlap_fraction([(0.0, 4.0)], [(2.0, 6.0), (3.0, 5.0)])
     if is_placeholder(nested):
         return placeholder_left("overlap_fraction")
-    concurrent = overlap_fraction([(0.0, 4.0), (1.0, 3.0)], [(0.0, 2.0)])
+    concurrent = overlap_fraction([(0.0, 4.0), (1.0, 3.0)], [(2.5, 4.0)])
     if abs(nested - 0.5) > 1e-12:
         if abs(nested - 0.75) < 1e-12:
             return mistake("nested_counted_twice", "comm (0, 4) under compute (2, 6) and (3, 5) gave 0.75: the "
                                                    "nested span (3, 5) was counted on top of (2, 6)",
                            hint="merge the compute intervals into a union first")
         return mistake("wrong_fraction", f"comm (0, 4) under compute (2, 6) and (3, 5) is half hidden; you gave {nested}")
-    if abs(concurrent - 0.5) > 1e-12:
-        return mistake("concurrent_comm_counted_twice", f"collectives (0, 4) and (1, 3) at once under compute "
-                                                        f"(0, 2) are half hidden; you gave {concurrent:.3f}",
-                       hint="merge the comm intervals into a union first")
-    if overlap_fraction([], [(0.0, 1.0)]) != 0.0:
+    if abs(concurrent - 0.375) > 1e-12:
+        counted_twice = abs(concurrent - 2 / 6) < 1e-12
+        return mistake("concurrent_comm_counted_twice" if counted_twice else "wrong_fraction",
+                       f"collectives (0, 4) and (1, 3) at once under compute (2.5, 4) are 1.5 of 4 s hidden, "
+                       f"0.375; you gave {concurrent:.3f}", hint="merge the comm intervals into a union first")
+    try:
+        without_comm = overlap_fraction([], [(0.0, 1.0)])
+    except ZeroDivisionError:
+        return mistake("no_comm", "with no comm your code divided by a total comm time of 0",
+                       hint="return 0.0 when there is no comm")
+    if without_comm != 0.0:
         return mistake("no_comm", "without comm the fraction is 0.0")
     checked = 0
     for name, tl in table.timelines.items():

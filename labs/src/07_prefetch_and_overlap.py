@@ -44,13 +44,13 @@ CELLS = [
     ## 1. The idea on one process: what the wrapping implies
 
     Every `fully_shard` call is one *unit*: one all-gather before it computes, one reduce-scatter of its
-    gradients. With one unit per block of our 4-block Llama plus the root (embeddings, final norm,
-    output), a training step needs
+    gradients. With one unit per block of our Llama (L blocks; the cell prints L) plus the root
+    (embeddings, final norm, output), a training step needs
 
-    * forward: the root once, then each block: 1 + 4 all-gathers;
+    * forward: the root once, then each block: 1 + L all-gathers;
     * backward: each block again (it was freed after forward; the root was kept, it is needed at once):
-      4 more all-gathers;
-    * one reduce-scatter per unit: 1 + 4.
+      L more all-gathers;
+    * one reduce-scatter per unit: 1 + L.
 
     An all-gather of a unit moves the unit's full parameter bytes (nccl-tests counts the gathered size).
     Work the numbers out on one process, before running anything:
@@ -103,10 +103,10 @@ CELLS = [
     print("measured == worked out by hand:", all(row[k] == v for k, v in expected.items()))
     """),
     md("""
-    The counts, bytes, gathered-parameter peaks and losses are deterministic (checked when this notebook
-    is tested); times are not, and neither is the peak of the *total*: it includes communication
-    buffers that are freed whenever gloo finishes. Those come later, measured several times, in cells
-    whose output is not compared.
+    The counts, bytes, memory peaks and losses are deterministic (checked when this notebook is tested;
+    communication buffers are given back on the training thread, not whenever gloo's worker lets go of
+    them); times are not. Times come later, measured several times, in cells whose output is not
+    compared.
     """),
     code("""
     print(table.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "reduced_mib",
@@ -172,9 +172,11 @@ CELLS = [
     The cost depends on when the next unit is gathered. `BACKWARD_PRE` and FSDP2's prefetch gather it
     while the current unit is still held, so one more unit is gathered at the peak. `BACKWARD_POST`
     frees the current unit as soon as its gradients are computed and only then issues the next
-    all-gather (`_post_backward` in `fsdp_lab/fsdp1/runtime.py`): no extra unit at the peak, and less
-    overlap, because that all-gather cannot run under the current unit's gradient computation. The order
-    of events shows where each setting issues the all-gather:
+    all-gather (`_post_backward` in `fsdp_lab/fsdp1/runtime.py`): no extra unit at the peak. PyTorch's
+    documentation adds that it overlaps less on a GPU, because that all-gather cannot run under the
+    current unit's gradient computation; on gloo, where each op runs when it is issued, the overlap the
+    explorer below prints can come out the other way. The order of events shows where each setting issues
+    the all-gather:
     """),
     code("""
     for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none"]:
@@ -184,20 +186,24 @@ CELLS = [
     """),
     code("""
     block_mib, root_mib = block_bytes / 2**20, root_bytes / 2**20
-    print(f"{'run':28} {'peak unsharded MiB':>19} {'= root + blocks':>16}")
-    for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none", "fsdp2 block", "fsdp2 block keep-gathered"]:
-        mib = table.row(name)["peak_unsharded_mib"]
-        print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f}")
+    print(f"{'run':28} {'peak unsharded MiB':>19} {'= root + blocks':>16} {'peak comm buffers MiB':>22}")
+    for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none", "fsdp2 block", "fsdp2 block no-prefetch",
+                 "fsdp2 block keep-gathered"]:
+        row = table.row(name)
+        mib = row["peak_unsharded_mib"]
+        print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f} {row['peak_comm_mib']:22.3f}")
+    extra = table.row("fsdp2 block")["peak_comm_mib"] - table.row("fsdp2 block no-prefetch")["peak_comm_mib"]
+    print(f"fsdp2's prefetch holds {extra / block_mib:.1f} block(s) more in comm buffers at the peak than no prefetch")
     """),
     md("""
     `BACKWARD_PRE` holds two blocks at its peak (this one and the prefetched next one); `BACKWARD_POST` and
     `None` one each, `BACKWARD_POST` because it frees this block before gathering the next. FSDP2's
     prefetched all-gather lands in its comm buffer (`comm_buffers`) and becomes `unsharded_params` only
-    when waited for, so its cost shows in that column and in the peak total —
-    and in the synchronous run above, which waits for the prefetch at once: two blocks of
-    `unsharded_params`.
-    Keeping everything gathered (`reshard_after_forward=False`) holds all four blocks but saves four
-    all-gathers per step.
+    when waited for, so its cost shows in the last column (compare `fsdp2 block` with
+    `fsdp2 block no-prefetch`, the last line) and in the peak total — and in the synchronous run above, which waits for
+    the prefetch at once: two blocks of `unsharded_params`.
+    Keeping everything gathered (`reshard_after_forward=False`) holds every block but saves one
+    all-gather per block per step.
 
     ## 5. Exercise: the backward order of each prefetch setting
 
@@ -306,29 +312,7 @@ CELLS = [
     files.savefig(fig, "offload_granularity.png", dpi=90, bbox_inches="tight")
     plt.show()
 
-    window = {n: statistics.mean(measured(n, "window")) for n in OFFLOAD}
-    window_sd = {n: statistics.stdev(measured(n, "window")) for n in OFFLOAD}
-    exposed = {n: statistics.mean(measured(n, "exposed_comm")) for n in OFFLOAD}
-    count = {n: table.row(n)["all_gathers"] + table.row(n)["reduce_scatters"] for n in OFFLOAD}
-    gathered = {n: table.row(n)["gathered_mib"] for n in OFFLOAD}
-    fastest = min(window, key=window.get)
-    print(f"Shortest mean step window in these {REPEATS} runs: {fastest} ({window[fastest]:.1f} ± {window_sd[fastest]:.1f} ms); "
-          + "; ".join(f"{n}: {count[n]} collectives, {gathered[n]:.3f} MiB gathered, {exposed[n]:.1f} ms of comm not hidden"
-                      for n in OFFLOAD) + ".")
-    clear = all(repeats.apart(fastest, n, "window") for n in OFFLOAD if n != fastest)
-    if not clear:
-        print(f"{fastest}'s window is not shorter than every other wrapping's by more than one standard deviation "
-              "of each: in this run the spread is as large as some of the differences, so no wrapping is a clear winner.")
-    elif fastest == "fsdp2 model offload":
-        print(f"The whole-model unit was faster beyond the spread. It issues fewer collectives "
-              f"({count[fastest]} against {min(c for n, c in count.items() if n != fastest)} or more) and gathers fewer bytes "
-              f"({gathered[fastest]:.3f} MiB against {min(g for n, g in gathered.items() if n != fastest):.3f} MiB: "
-              "as the root it is not resharded after forward, so backward gathers nothing again); both beat the "
-              "overlap per-block units could get here, where the host-to-device copies they could hide cost almost nothing.")
-    else:
-        print(f"{fastest} was faster beyond the spread: splitting the model let enough communication hide "
-              "under compute to pay for its extra collectives and for gathering its units again in backward, "
-              "which the whole-model unit (the root, kept gathered) skips.")
+    lab07.print_offload_verdict(repeats, table, OFFLOAD, whole_model="fsdp2 model offload")
     """, tags=["nbval-ignore-output"]),
     md("""
     What does not vary: every repeat issued the same collectives with the same bytes and reached the
@@ -344,10 +328,9 @@ CELLS = [
     On a GPU, per-block units let the copies and collectives of one block run under the previous block's
     compute, while a whole-model unit must gather everything before any compute — and holds the whole
     model gathered. That is a claim about GPUs, which the CPU numbers above neither confirm nor refute.
-    The talk's fix for the fifth of its FSDP1-vs-FSDP2 gaps went the other way from "smaller units
-    overlap better": **bigger groups**, fewer and larger all-gathers. FSDP2 makes that possible for
-    QLoRA because it gathers a block's NF4-packed weights and its bf16/fp32 parameters in **one** group
-    (as bytes, through a `uint8` view, lab 05), where FSDP1 needs one flat parameter per dtype.
+    For QLoRA the other direction pays too: **bigger groups**, fewer and larger all-gathers. FSDP2 makes
+    that possible because it gathers a block's NF4-packed weights and its bf16/fp32 parameters in **one**
+    group (as bytes, through a `uint8` view, lab 05), where FSDP1 needs one flat parameter per dtype.
 
     ## 9. FSDP1 vs FSDP2, as an investigation
 
@@ -364,8 +347,8 @@ CELLS = [
         print("ValueError:", error)
     """),
     md("""
-    Forcing it with `allow_mismatch=True` gives numbers that look like a verdict: FSDP1 issues 1 all-gather
-    instead of 9 and moves fewer bytes. None of that is about flat versus per-parameter sharding — it is a
+    Forcing it with `allow_mismatch=True` gives numbers that look like a verdict: FSDP1 issues far fewer
+    all-gathers and moves fewer bytes (the table below). None of that is about flat versus per-parameter sharding — it is a
     smaller model and a coarser wrapping.
     """),
     code("""
@@ -413,15 +396,16 @@ CELLS = [
     every parameter; `foreach` batches the parameters into a few multi-tensor ops; `fused` does the update
     in fused multi-tensor kernels. fsdp_lab's FSDP1 gives the optimizer the original parameters as plain
     tensors (views into its flat shard, PyTorch's `use_orig_params=True`; with `use_orig_params=False`
-    PyTorch's optimizer would see one `FlatParameter` per unit instead). With the original parameters the
-    number of tensors the optimizer walks is the same in both:
+    PyTorch's optimizer would see one `FlatParameter` per unit instead). With the original parameters both
+    implementations give the optimizer the model's own parameter tensors, as many as the unwrapped model
+    has:
     """),
     code("""
-    print("tensors per optimizer step:", len(list(model.parameters())))
+    print("parameter tensors of the unwrapped model:", len(list(model.parameters())))
     names = ["fsdp2 block for_loop", "fsdp2 block", "fsdp2 block fused",
              "fsdp1 block for_loop", "fsdp1 block pre", "fsdp1 block fused"]
-    print("same loss with every optimizer implementation:",
-          len({round(table.row(n)["loss"], 4) for n in names}) == 1)
+    losses = [table.row(n)["loss"] for n in names]
+    print("same loss with every optimizer implementation (within 1e-4):", max(losses) - min(losses) < 1e-4)
     """),
     code("""
     LABELS = {"fsdp2 block": "fsdp2 foreach", "fsdp1 block pre": "fsdp1 foreach"}
@@ -436,15 +420,7 @@ CELLS = [
         print(f"{impl}: fastest to slowest in this run: {' < '.join(order)} "
               f"(for_loop / fused = {runs['for_loop'] / runs['fused']:.1f}x)")
     print()
-    print(f"{'run':22} {'peak total MiB, second step, each repeat':>41}   peak after (first repeat)")
-    peaks = {n: [run.row(n)["peak_total_mib"] for run in repeats] for n in names}
-    for n in names:
-        print(f"{LABELS.get(n, n):22} {', '.join(f'{v:.2f}' for v in peaks[n]):>41}   {table.row(n)['peak_phase']}")
-    print("every run's peak the same in all repeats:", all(len(set(v)) == 1 for v in peaks.values()))
-    for impl, group in (("fsdp2", names[:3]), ("fsdp1", names[3:])):
-        print(f"{impl}: for_loop / foreach / fused peaks (first repeat): "
-              + " / ".join(f"{peaks[n][0]:.2f}" for n in group) + " MiB; peak inside optimizer.step(): "
-              + " / ".join(str(table.row(n)["peak_phase"] == "optimizer step start") for n in group))
+    lab07.print_optimizer_peaks(repeats, names, LABELS)
     """, tags=["nbval-ignore-output"]),
     md("""
     The printed times say which implementation was fastest in this run and by how much; on FSDP2 the
@@ -522,7 +498,7 @@ CELLS = [
       per unit).
     * Prefetching moves an all-gather earlier so it can run under compute. `BACKWARD_PRE` and FSDP2's
       prefetch pay with one more unit gathered at the peak; `BACKWARD_POST` frees the current unit first,
-      so it costs no extra unit and overlaps less than `BACKWARD_PRE`. A synchronous run has the same
+      so it costs no extra unit (on GPUs, PyTorch's documentation says, it overlaps less). A synchronous run has the same
       collectives and an overlap of exactly 0. On GPUs, FSDP2's forward overlap comes from the CPU running
       ahead onto separate streams.
     * Coarser wrapping: fewer, bigger collectives and less to hide them under; the whole model as one unit
