@@ -69,6 +69,14 @@ def real_block():
     return shards, list(Llama("cpu", seed=0).layers[0].parameters())
 
 
+def padded_chunk(params, world, rank):
+    """Pads each chunk to ceil(total / world), but torch.chunk gives short tensors fewer pieces."""
+    flat = torch.cat([p.reshape(-1) for p in params])
+    size = -(-flat.numel() // world)
+    piece = flat.chunk(world)[rank]
+    return torch.cat([piece, piece.new_zeros(size - piece.numel())])
+
+
 def test_rank_shard_verdicts(real_block):
     shards, params = real_block
     stub, solution = LAB04["rank_shard"]
@@ -81,6 +89,7 @@ def test_rank_shard_verdicts(real_block):
     assert lab04.check_rank_shard(floor_shard).mistake == "floor_shard"
     assert lab04.check_rank_shard(next_rank).mistake == "wrong_rank"
     assert lab04.check_rank_shard(padding_first).mistake == "padding_first"
+    assert lab04.check_rank_shard(padded_chunk).mistake == "short_chunks"
 
 
 def test_reference_shard_matches_a_hand_worked_case():

@@ -11,6 +11,8 @@
   ``reduce_flat_grad(flat_grad)`` gets this rank's whole padded flat gradient and returns
   this rank's shard of the average over ranks. Reference: fsdp_lab's FSDP1 (one unit, 2
   ranks), whose sharded gradient after the same backward the answer must equal.
+
+The lab's step figure is drawn here too (``draw_step``, colours ``MEMORY_COLORS``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,14 @@ def _diagnose_shard(answer, params, world) -> object | None:
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     for rank in range(world):
         expected = reference_shard(params, world, rank)
-        got = answer([p.clone() for p in params], world, rank)
+        try:
+            got = answer([p.clone() for p in params], world, rank)
+        except IndexError as error:
+            return mistake("short_chunks", f"rank {rank} raised IndexError ({error}) for {total} elements on {world} "
+                                           "ranks: torch.chunk makes pieces of ceil(n / world) elements, so a short "
+                                           f"tensor gives fewer than {world} of them and the last ranks none",
+                           "pad the flat tensor with zeros to a multiple of world, then slice "
+                           "[rank*S:(rank+1)*S]")
         if is_placeholder(got):
             return placeholder_left("rank_shard")
         if not isinstance(got, torch.Tensor):
@@ -192,3 +201,43 @@ def check_reduce_flat_grad(reduce_flat_grad):
         return mistake("wrong_size", f"the result has shape {sorted(shapes)[0]}; a shard has "
                                      f"{out[0]['shard_numel']} elements (flat_grad.numel() // world)")
     return mistake("wrong_values", "the shard differs from FSDP1's sharded gradient")
+
+
+# one colour per memory category, shared by the lab's figures
+MEMORY_COLORS = {"sharded_params": "#7A9CD0", "unsharded_params": "#2A4A80", "sharded_grads": "#8FCB9B",
+                 "unsharded_grads": "#2F7040", "optimizer_state": "#C44E52", "activations": "#DA8BC3",
+                 "temporaries": "#CCB974", "comm_buffers": "#8172B3", "other": "#8C8C8C"}
+
+
+def draw_step(runs, title: str):
+    """The figure of one launched FSDP1 step: ``runs`` (one dict per rank, from lab 04's
+    ``one_step``: "timeline" and rank 0's "samples" of (moment, gathered MiB per unit, memory by
+    category in bytes)) drawn as the merged timeline, a heat map of which units are gathered at
+    each moment, and rank 0's memory by category at the same moments (MiB)."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.timeline import Timeline
+    from fsdp_lab.viz import plot_timeline
+
+    samples = runs[0]["samples"]
+    labels = [label for label, _, _ in samples]
+    xs = range(len(samples))
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(11, 9.5), gridspec_kw={"height_ratios": [1.2, 1, 1.3]})
+    plot_timeline(Timeline.merge([r["timeline"] for r in runs]), ax=a, title=title)
+    units_ = list(samples[0][1])
+    grid = [[s[1][u] / 2**20 for s in samples] for u in units_]
+    im = b.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest")
+    b.set_yticks(range(len(units_)), units_)
+    b.set_xticks(list(xs), [])
+    b.set_title("rank 0: which units are gathered (unsharded parameters, MiB)")
+    fig.colorbar(im, ax=b, pad=0.01)
+    cats = [k for k in MEMORY_COLORS if any(s[2].get(k, 0) for s in samples)]
+    c.stackplot(list(xs), *[[s[2].get(k, 0) / 2**20 for s in samples] for k in cats],
+                labels=cats, colors=[MEMORY_COLORS[k] for k in cats], step="post")
+    c.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
+    c.set_xlim(b.get_xlim())
+    c.set_ylabel("MiB"); c.set_xlabel("moment in the step (forward, backward, optimizer)")
+    c.set_title("rank 0 memory by category at the same moments")
+    c.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig

@@ -112,8 +112,10 @@ CELLS = [
     md("""
     ## 2. On real ranks: what `named_parameters()` shows
 
-    With `use_orig_params=True` the original `Parameter` objects stay on their modules with their
-    original names, but outside forward each one's `.data` is a **1-D view of the rank's shard**: the
+    PyTorch's FSDP1 defaults to `use_orig_params=False`, where `named_parameters()` and the optimizer see
+    one `FlatParameter` per unit; fsdp_lab implements only `use_orig_params=True` (what FSDP1 needs for
+    `torch.compile` and for per-parameter optimizer settings). With it the original `Parameter` objects
+    stay on their modules with their original names, but outside forward each one's `.data` is a **1-D view of the rank's shard**: the
     whole parameter flattened, a part of it (straddling), or an empty `(0,)` tensor. The optimizer
     steps these views, which writes straight into the flat shard.
     """),
@@ -232,46 +234,22 @@ CELLS = [
                                       for n in unit_names))
     """),
     code("""
-    MEMORY_COLORS = {"sharded_params": "#7A9CD0", "unsharded_params": "#2A4A80", "sharded_grads": "#8FCB9B",
-                     "unsharded_grads": "#2F7040", "optimizer_state": "#C44E52", "activations": "#DA8BC3",
-                     "temporaries": "#CCB974", "comm_buffers": "#8172B3", "other": "#8C8C8C"}
-
-    def draw(runs, title):
-        samples = runs[0]["samples"]
-        labels = [label for label, _, _ in samples]
-        xs = range(len(samples))
-        fig, (a, b, c) = plt.subplots(3, 1, figsize=(11, 9.5), gridspec_kw={"height_ratios": [1.2, 1, 1.3]})
-        plot_timeline(Timeline.merge([r["timeline"] for r in runs]), ax=a, title=title)
-        units_ = list(samples[0][1])
-        grid = [[s[1][u] / 2**20 for s in samples] for u in units_]
-        im = b.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest")
-        b.set_yticks(range(len(units_)), units_)
-        b.set_xticks(list(xs), [])
-        b.set_title("rank 0: which units are gathered (unsharded parameters, MiB)")
-        fig.colorbar(im, ax=b, pad=0.01)
-        cats = [k for k in MEMORY_COLORS if any(s[2].get(k, 0) for s in samples)]
-        c.stackplot(list(xs), *[[s[2].get(k, 0) / 2**20 for s in samples] for k in cats],
-                    labels=cats, colors=[MEMORY_COLORS[k] for k in cats], step="post")
-        c.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
-        c.set_xlim(b.get_xlim())
-        c.set_ylabel("MiB"); c.set_xlabel("moment in the step (forward, backward, optimizer)")
-        c.set_title("rank 0 memory by category at the same moments")
-        c.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-        fig.tight_layout()
-        return fig
-
-    fig = draw(runs, "FULL_SHARD, one unit per block, 2 ranks: time line (all-gathers orange)")
+    MEMORY_COLORS = lab04.MEMORY_COLORS
+    fig = lab04.draw_step(runs, "FULL_SHARD, one unit per block, 2 ranks: time line (all-gathers orange)")
     files.savefig(fig, "full_shard_timeline_memory.png", dpi=90)
     """, tags=["nbval-ignore-output"]),
     md("""
-    Five units → 5 all-gathers in forward and 4 in backward (the root is not gathered again), 5
-    reduce-scatters. The table above and the middle panel are the same samples: in forward one block at
+    One unit per block plus the root: in forward every unit is gathered, in backward every unit but the root
+    again (the root is not freed after forward), and every unit reduce-scatters once. The table above and the middle panel are the same samples: in forward one block at
     a time is gathered beside the root; in backward the block being differentiated and, at some moments,
     the next one (prefetched) — each freed once its gradients are reduce-scattered.
 
     ## 5. Strategies and wrapping: memory against traffic
 
-    Same model, same data, one step each. The `loss` column is the loss of the whole batch (each rank's
+    Same model, same data, one step each. The wrappings: `per block` (one unit per transformer block),
+    `whole model` (one unit), and `per linear`, a size-based policy (`min_num_params=40_000`): each
+    feed-forward linear is large enough to be its own unit, while the attention's four smaller linears
+    only pass the threshold together, as one attention unit. The `loss` column is the loss of the whole batch (each rank's
     loss on its share, averaged over the ranks), so it must agree in every row; peak memory and bytes sent
     do not. HYBRID_SHARD needs a world that factors: on 4 ranks, shard within {0,1} and {2,3}, all-reduce
     gradients across {0,2} and {1,3}. The batch is the same 8 sequences in every row, so a rank holds 4 of
@@ -480,7 +458,7 @@ CELLS = [
         text = (f"all-gathers {c['all_gather'][0]}, reduce-scatters {c['reduce_scatter'][0]}, "
                 f"all-reduces {c['all_reduce'][0]}; peak unsharded params "
                 f"{runs[0]['peak'].get('unsharded_params', 0) / 2**20:.2f} MiB")
-        return draw(runs, f"{strategy}, {wrapping}, {world_size} ranks"), text
+        return lab04.draw_step(runs, f"{strategy}, {wrapping}, {world_size} ranks"), text
 
     fig, text = render("FULL_SHARD", "per linear", 2)
     print(text)
