@@ -49,6 +49,13 @@ def _fully_shard_5x3():
     return dist.get_rank(), (w.to_local().shape[0], w.to_local().untyped_storage().nbytes() // 4)
 
 
+def padded_chunk(param, world, rank):
+    """Pads its chunk to ceil(rows / world), but torch.chunk gives short tensors fewer pieces."""
+    rows = -(-param.shape[0] // world)
+    piece = torch.chunk(param, world, dim=0)[rank]
+    return torch.cat([piece, piece.new_zeros((rows - piece.shape[0], *param.shape[1:]))])
+
+
 def test_shard_param_verdicts():
     stub, solution = LAB05["shard_param"]
     assert lab05.check_shard_param(stub).mistake == "stub"
@@ -60,6 +67,7 @@ def test_shard_param_verdicts():
     assert lab05.check_shard_param(unpadded).mistake == "no_padding"
     assert lab05.check_shard_param(floor_rows).mistake == "floor_rows"
     assert lab05.check_shard_param(padding_on_top).mistake == "padding_first"
+    assert lab05.check_shard_param(padded_chunk).mistake == "short_chunks"
 
 
 # ----------------------------------------------------------------------------- pre_forward

@@ -53,7 +53,14 @@ def check_shard_param(shard_param, real=None):
         rows = math.ceil(param.shape[0] / world)
         for rank in range(world):
             expected = reference_shard(param, world, rank)
-            got = shard_param(param.clone(), world, rank)
+            try:
+                got = shard_param(param.clone(), world, rank)
+            except IndexError as error:
+                pieces = len(torch.chunk(param, world, dim=0))
+                return mistake("short_chunks", f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}: "
+                                               f"IndexError ({error}). torch.chunk gave only {pieces} pieces: it "
+                                               f"cuts ceil(rows / world) = {rows} rows each, so rank {rank} has "
+                                               "no real rows", f"when rank >= len(chunks), return {rows} zero rows")
             if is_placeholder(got):
                 return placeholder_left("shard_param")
             if not isinstance(got, torch.Tensor):
@@ -122,7 +129,7 @@ def _hook_case(pre_forward):
     try:
         out = layer(x).detach()
         error = ""
-    except RuntimeError as exc:   # shapes that do not multiply: reported by name below
+    except (RuntimeError, TypeError, ValueError) as exc:   # e.g. shapes that do not multiply: reported below
         out, error = None, str(exc).splitlines()[0]
     seen = {name: (None if getattr(layer, name) is None else getattr(layer, name).detach().clone())
             for name in ("weight", "bias")}

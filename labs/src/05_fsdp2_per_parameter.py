@@ -360,8 +360,8 @@ CELLS = [
     explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
-    With the whole model as one group the peak of `unsharded_params` is the whole model: sharding saves
-    nothing at the peak. One group per block keeps about one block (plus the root's embeddings and output)
+    With the whole model as one group the peak of `unsharded_params` is the whole model: at that moment
+    sharding the parameters saves nothing (the gradients and the optimizer state stay sharded). One group per block keeps about one block (plus the root's embeddings and output)
     gathered at a time.
 
     ## 9. Copy-in and copy-out of one group
