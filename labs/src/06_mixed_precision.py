@@ -99,8 +99,8 @@ CELLS = [
     | `main_grads_dtype` | accumulation across microbatches | float32 |
     | `grad_comm_dtype` | the wire: reduce-scatter / all-reduce | `reduce_dtype`, else `param_dtype`, else own |
 
-    The defaults differ from Megatron-FSDP's: there `main_grads_dtype=None` means "the compute dtype"
-    and `grad_comm_dtype=None` means "`main_grads_dtype`". The helpers in `fsdp_lab.precision` resolve
+    The defaults differ from Megatron-FSDP's: there `main_grads_dtype=None` means "the dtype of the
+    compute parameters" and `grad_comm_dtype=None` means "the model's own gradient dtype". The helpers in `fsdp_lab.precision` resolve
     the four for a parameter of a given dtype:
     """),
     code("""
@@ -129,8 +129,9 @@ CELLS = [
     what "fp32 accumulation" does *not* cover: the sum **across ranks** happens inside the
     reduce-scatter, in the wire dtype — each rank's gradient is rounded to bf16 and the ranks'
     contributions are added in bf16 (gloo here, NCCL on GPUs, both reduce in the buffer's dtype).
-    Reducing in float32 from bf16 buffers needs NCCL ≥ 2.27's symmetric-memory / registered-buffer
-    kernels, which Megatron-FSDP exposes; this CPU lab cannot show it.
+    Reducing in float32 from bf16 buffers needs recent NCCL's symmetric-memory / registered-buffer
+    kernels (which NCCL version, and over which interconnect, NCCL's release notes say), which
+    Megatron-FSDP exposes; this CPU lab cannot show it.
 
     ## 3. The life cycle of a gradient, from a real run
 
@@ -203,7 +204,7 @@ CELLS = [
     Each policy trains the same model on the same data for 50 steps of 3 microbatches (2 ranks).
     The second step (after the first has allocated the optimizer state) is measured on rank 0: the highest each memory category reached (MemoryTracker's
     `max_by_category()`, one column each; these maxima happen at different moments, so they do not add
-    up), the peak of the total (`peak_total()`), and bytes of the collectives (Timeline; the size
+    up), the peak of the total (`peak_total()`, the sum of `peak()`), and bytes of the collectives (Timeline; the size
     nccl-tests counts: all-gather output, reduce-scatter input). The bar chart stacks the categories
     **at the moment of the peak** (`peak()`). Communication buffers are given back the moment their
     collective is waited for (`fsdp_lab.collectives.release`), not when gloo's worker thread drops its
@@ -286,8 +287,8 @@ CELLS = [
       and largest difference (after a ≈: their last digits depend on the CPU's bf16 kernels, so the
       tests compare that every policy stays within 0.1 of float32, not the digits). At this size bf16 changes the
       numbers, not the course of training. The accumulation dtype matters when many microbatches are
-      summed (`tests/test_precision.py`: with 16 microbatches, float32 accumulation stays within 1e-5 of
-      the exact sum, bf16 accumulation is off by more than 1e-3).
+      summed (`tests/test_precision.py`: with 16 microbatches, float32 accumulation stays within a relative
+      error of 1e-5 of the exact sum, bf16 accumulation is off by more than 1e-3).
 
     ## 5. A real reduction bug: Megatron-FSDP's `optim` mode
 
