@@ -43,6 +43,9 @@ def test_nearest_code_checker():
     assert lab08.check_nearest_code(ties_up).mistake == "ties_up"
     by_distance = lambda v: (v[..., None] - NF4_CODEBOOK).abs().argmin(-1)  # noqa: E731
     assert lab08.check_nearest_code(by_distance).mistake == "tie_rounding"
+    float64_midpoints = (NF4_CODEBOOK.double()[:-1] + NF4_CODEBOOK.double()[1:]) / 2
+    wide_midpoints = lambda v: (v.double()[..., None] > float64_midpoints).sum(-1).to(torch.uint8)  # noqa: E731
+    assert lab08.check_nearest_code(wide_midpoints).mistake in ("tie_rounding", None)
     uniform = lambda v: torch.round((v + 1) / 2 * 15).to(torch.uint8)  # noqa: E731
     assert lab08.check_nearest_code(uniform).mistake == "uniform"
     assert lab08.check_nearest_code(lambda v: torch.round((v + 1) / 2 * 15)).mistake == "float_codes"
@@ -65,6 +68,10 @@ def test_lora_forward_checker():
     assert lab08.check_lora_forward(unscaled).mistake == "no_scaling"
     by_alpha = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, a), b) * al  # noqa: E731
     assert lab08.check_lora_forward(by_alpha).mistake == "alpha_only"
+    floor = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, a), b) * (al // r)  # noqa: E731
+    assert lab08.check_lora_forward(floor).mistake == "floor_division"
+    typed_in = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, a), b) * 2  # noqa: E731
+    assert not lab08.check_lora_forward(typed_in).solved
     swapped = lambda x, w, a, b, al, r: F.linear(x, w) + F.linear(F.linear(x, b), a) * al / r  # noqa: E731
     assert lab08.check_lora_forward(swapped).mistake == "order"
     matmul_nf4 = lambda x, w, a, b, al, r: x @ w.T + F.linear(F.linear(x, a), b) * al / r  # noqa: E731
@@ -83,3 +90,13 @@ def test_lora_case_reference_matches_the_formula():
     mine.sum().backward()
     assert torch.allclose(out, mine.detach(), atol=1e-5)
     assert torch.allclose(grad_a, a.grad, atol=1e-5) and torch.allclose(grad_b, b.grad, atol=1e-5)
+
+
+def test_bitsandbytes_buffers_by_hand(capsys):
+    from fsdp_lab.models.llama import LlamaConfig
+    lab08.print_bitsandbytes_buffers(LlamaConfig.from_name("llama2-7b"))
+    # 32 blocks x (4 x 4096^2 + 3 x 4096 x 11008) = 6,476,005,376 values, one byte per 64 of them;
+    # the largest weight, 11008 x 4096 in bf16, is 86.0 MiB
+    assert 32 * (4 * 4096**2 + 3 * 4096 * 11008) // 64 == 101_187_584
+    assert capsys.readouterr().out == ("absmax statistics on every rank: 0.094 GiB; largest bf16 temporary "
+                                       "(11008 x 4096): 86.0 MiB\n")

@@ -29,7 +29,8 @@ import torch
 
 from fsdp_lab.memory.tags import tag
 
-# QLoRA paper, Appendix E; bitsandbytes and torchao use the same 16 values (ascending).
+# QLoRA paper, Appendix E; bitsandbytes uses the same 16 values (ascending), torchao rounds them
+# to 4 decimals.
 NF4_CODEBOOK = torch.tensor(
     [
         -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -43,7 +44,7 @@ NF4_ZERO_CODE = 7  # index of the exact 0.0; also what padding values quantize t
 
 # A value goes to code k when midpoint[k-1] < value <= midpoint[k] (midpoints computed in
 # float32), so a value exactly halfway between two codes goes to the lower one, as
-# bitsandbytes and torchao do.
+# bitsandbytes does.
 _MIDPOINTS = (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2
 
 # Dequantizing looks up both nibbles of a byte at once: row b of this table holds

@@ -75,12 +75,13 @@ def check_nearest_code(nearest_code):
     if bool(ties[wrong].all()):
         if bool((got[ties] == want[ties] + 1).all()):
             return mistake("ties_up", f"only the {int(wrong.sum())} exact midpoints differ ({example}): a "
-                                      "value halfway between two codes went to the upper one; bitsandbytes and "
-                                      "torchao send it to the lower",
+                                      "value halfway between two codes went to the upper one; bitsandbytes sends it "
+                                      "to the lower",
                            "count midpoints strictly below the value (`>`, not `>=`)")
-        return mistake("tie_rounding", f"only exact midpoints differ ({example}): distances to two codes "
-                                       "round differently in float32 at a tie, so argmin picks either side",
-                       "compare each value with the 15 float32 midpoints instead of measuring distances")
+        return mistake("tie_rounding", f"only exact midpoints differ ({example}): your midpoints (or distances "
+                                       "to two codes) are not the float32 midpoints, so a value halfway between "
+                                       "two codes goes either way",
+                       "compare each value with the 15 float32 midpoints (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2")
     uniform = torch.round((values + 1) / 2 * 15).long()
     if torch.equal(got, uniform):
         return mistake("uniform", f"{int(wrong.sum())} values differ ({example}): that is an evenly spaced "
@@ -93,7 +94,8 @@ def check_nearest_code(nearest_code):
 
 def lora_case(seed: int = 0) -> dict:
     """The tensors a LoRA forward is checked on: an NF4 weight (32 x 48), A (4 x 48) and B
-    (32 x 4) both random, alpha 8, rank 4, and an input of shape (2, 3, 48)."""
+    (32 x 4) both random, alpha 10, rank 4 (a scaling of 2.5, which integer division or a typed-in
+    constant would miss), and an input of shape (2, 3, 48)."""
     from fsdp_lab.qlora import to_nf4
 
     g = torch.Generator().manual_seed(seed)
@@ -101,7 +103,7 @@ def lora_case(seed: int = 0) -> dict:
             "weight": to_nf4(torch.randn(32, 48, generator=g) * 0.1),
             "lora_a": torch.randn(4, 48, generator=g) * 0.1,
             "lora_b": torch.randn(32, 4, generator=g) * 0.1,
-            "alpha": 8.0, "rank": 4}
+            "alpha": 10.0, "rank": 4}
 
 
 def _reference(case: dict):
@@ -149,6 +151,8 @@ def check_lora_forward(lora_forward):
         candidates = [("no_scaling", base + update, "the update was added unscaled"),
                       ("alpha_only", base + update * case["alpha"], "the update was scaled by alpha, not alpha / rank"),
                       ("inverted_scaling", base + update / scaling, "the update was scaled by rank / alpha"),
+                      ("floor_division", base + update * (case["alpha"] // case["rank"]),
+                       "alpha // rank is integer division: the update was scaled by its floor"),
                       ("base_only", base, "only the frozen weight's output: the adapters were left out"),
                       ("update_only", update * scaling, "only the adapters' update: the frozen weight's output "
                                                         "x Wᵀ was left out")]
@@ -270,12 +274,26 @@ def print_published_against_estimates(published: dict, talk_estimate: dict, smal
             saved = json.load(fh)
         for strategy in ("fsdp2", "fsdp1"):
             if f"fake_tensor_run_{strategy}" in saved:
-                print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<50}"
-                      f"{saved[f'fake_tensor_run_{strategy}']['peak_gib']:6.2f} GiB")
+                # after a "≈": the file is rewritten whenever benchmarks/qlora_7b.py runs
+                print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<49}"
+                      f"≈{saved[f'fake_tensor_run_{strategy}']['peak_gib']:.2f} GiB")
     else:
         print(f"  (no fake-tensor runs: {fake_tensor_results} is missing; python benchmarks/qlora_7b.py writes it)")
     print(f"published minus estimate: {published[ANSWER_AI] - small_batch_estimate[64]:.2f} GiB at batch 1 x 512 "
           f"(rank 64); {published[TALK[1]] - talk_estimate['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
+
+
+def print_bitsandbytes_buffers(config) -> None:
+    """Print, for a Llama ``config`` quantized by bitsandbytes (one 8-bit double-quantized absmax per
+    64 values of every block linear), the absmax statistics every rank keeps (GiB) and the largest
+    bf16 weight a matmul dequantizes to (MiB), both worked out from the shapes."""
+    d, f = config.dim, config.ffn_hidden
+    shapes = [(config.n_heads * config.head_dim, d), (config.n_kv_heads * config.head_dim, d),
+              (config.n_kv_heads * config.head_dim, d), (d, config.n_heads * config.head_dim), (f, d), (f, d), (d, f)]
+    statistics = config.n_layers * sum(o * i for o, i in shapes) // 64
+    largest = max(shapes, key=lambda s: s[0] * s[1])
+    print(f"absmax statistics on every rank: {statistics / 2**30:.3f} GiB; largest bf16 temporary "
+          f"({largest[0]} x {largest[1]}): {2 * largest[0] * largest[1] / 2**20:.1f} MiB")
 
 
 def draw_7b_states(per_rank: dict, block_nf4: float, block_bf16: float, world_size: int):

@@ -64,7 +64,7 @@ CELLS = [
     Trained weights are roughly normal. NF4 spaces its 16 code values at quantiles of N(0, 1): dense
     near 0, where most weights are, and sparse in the tails. They are 8 positive values and 7 negative
     ones plus an exact 0, divided by the largest so the ends are ±1. `build_nf4_codebook` derives them;
-    the stored table `NF4_CODEBOOK` is the one bitsandbytes and torchao use. Quantile spacing does not
+    the stored table `NF4_CODEBOOK` is the one bitsandbytes uses (torchao stores it rounded to 4 decimals). Quantile spacing does not
     make the codes equally used: each block of 64 weights is divided by its own absmax, so its largest
     value always lands on ±1 and the others crowd toward 0. The cell counts how often each code is used
     for normal weights: the codes near 0 most, the two ends least.
@@ -86,7 +86,9 @@ CELLS = [
     ## 3. Quantize a block by hand, then with the library
 
     A block of 64 values is divided by its absolute maximum, each value replaced by the index of the
-    nearest code. Dequantizing multiplies the code value by the block's scale.
+    nearest code. Dequantizing multiplies the code value by the block's scale. (The argmin of distances
+    below is fine for this block, which holds no value exactly halfway between two codes; section 10
+    shows where it is not.)
     """),
     code("""
     torch.manual_seed(0)
@@ -100,7 +102,8 @@ CELLS = [
     print("first 8 codes by hand:", by_hand[:8].tolist(), "| library:", library[:8].tolist())
     print("same codes:", torch.equal(by_hand, library))
     error = (NF4_CODEBOOK[library] * absmax - block).abs().max() / absmax
-    print(f"largest error / absmax: {error.item():.4f} (bound: half the widest gap, 0.1520)")
+    bound = ((NF4_CODEBOOK[1:] - NF4_CODEBOOK[:-1]).max() / 2).item()
+    print(f"largest error / absmax: {error.item():.4f} (bound: half the widest gap, {bound:.4f})")
     """),
     md("""
     ### Packing: two codes per byte
@@ -108,7 +111,7 @@ CELLS = [
     The code of the even-index element goes in the high nibble, the odd one in the low nibble.
     """),
     code("""
-    codes = library[:4].to(torch.uint8)
+    codes = library[4:8].to(torch.uint8)   # four different codes: each byte shows which nibble is which
     pair_bytes = pack_nibbles(codes)
     print("codes", codes.tolist(), "-> bytes", [f"0x{b:02x}" for b in pair_bytes.tolist()])
     print("bytes for 64 values:", packed.numel(), "plus one scale")
@@ -137,9 +140,10 @@ CELLS = [
 
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up
     in the 16-entry code book, multiply by its block's absmax, cast. Eagerly that is several kernels and
-    full-size temporaries; `torch.compile` fuses them into one loop, which is where QLoRA under FSDP2 got
-    most of its speed on GPUs. It works on CPU too (inductor writes C++). The compiled function must give
-    the same values, bit for bit; the times are this machine's and are not compared.
+    full-size temporaries; `torch.compile` fuses them into one loop. It works on CPU too (inductor writes
+    C++), where the compiled loop only about matches the eager gather form; on GPUs, where each eager
+    kernel launch and temporary costs more, fusing pays more. The compiled function must give the same
+    values, bit for bit; the times are this machine's and are not compared.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -157,13 +161,15 @@ CELLS = [
     print(f"eager (gather form)       {1e3 * t_eager:7.2f} ms")
     print(f"eager (element-wise form) {1e3 * t_fused_eager:7.2f} ms")
     print(f"compiled                  {1e3 * t_compiled:7.2f} ms   "
-          f"({t_fused_eager / t_compiled:.1f}x faster than the same code run eagerly)")
+          f"(element-wise eager / compiled {t_fused_eager / t_compiled:.1f}x; gather form / compiled "
+          f"{t_eager / t_compiled:.1f}x)")
     print("(benchmarks/nf4_compile.py measures a 4096 x 4096 weight with interleaved repeats)")
     """, tags=["nbval-ignore-output"]),
     md("""
     ## 5. What a tensor subclass sees
 
-    `NF4Tensor` reports shape (4096, 4096) and dtype float32 but holds only bytes. `F.linear` on it is
+    `NF4Tensor` reports the shape and dtype of the float weight it stands for (below: (32, 64), float32)
+    but holds only bytes. `F.linear` on it is
     caught by `__torch_function__` and becomes dequantize-then-matmul (no weight gradient). Everything
     else reaches `__torch_dispatch__` as aten ops: the logging mode below prints which ops an NF4
     weight receives when it is detached, cloned and moved, and what happens for an op it does not support.
@@ -304,11 +310,13 @@ CELLS = [
     print("  of which NF4 ~ values/2 + values/64 =", f"{linear_values // 2 + linear_values // 64:,}")
     print("  adapters + norms in float32         =", f"{4 * adapters_and_norms:,}")
     nf4_block = block_gathers[0]                        # measured: NF4 linears + float32 adapters and norms
+    nf4_linears = nf4_block - 4 * adapters_and_norms    # measured, less the float32 part
+    print("  NF4 part measured (all-gather - adapters and norms) =", f"{nf4_linears:,}")
     bf16_block = 2 * linear_values + 4 * adapters_and_norms  # the same block with bf16 linears, same float32 rest
     print("the same block with bf16 linears      =", f"{bf16_block:,}",
           f"({bf16_block / nf4_block:.2f}x the NF4 block's all-gather)")
     print(f"float32 adapters + norms are {4 * adapters_and_norms / nf4_block:.0%} of the NF4 block's all-gather: "
-          f"the NF4 linears alone are {2 * linear_values / (linear_values // 2 + linear_values // 64):.2f}x "
+          f"the NF4 linears alone are {2 * linear_values / nf4_linears:.2f}x "
           f"smaller than in bf16, the whole block only {bf16_block / nf4_block:.2f}x")
     """),
     md("""
@@ -363,8 +371,9 @@ CELLS = [
     print("layers.0 all-gathers in one step (dtype, bytes):", runs1[0][1])
     """),
     md("""
-    Each flat parameter is gathered in forward and again in backward: the float32 norms + adapters, then
-    the codes (values/2 bytes), the int8 scales (values/64) and the float32 factors and means.
+    Each flat parameter is gathered in forward and again in backward. A flat parameter holds one dtype and
+    one `requires_grad`, so the frozen float32 norms and the trainable float32 adapters are two of them;
+    then come the codes (values/2 bytes), the int8 scales (values/64) and the float32 factors and means.
 
     ## 8. Llama-2-7B: estimates beside published figures
 
@@ -397,15 +406,18 @@ CELLS = [
 
     * **Not the CUDA context**: `max_memory_reserved` counts only what PyTorch's caching allocator holds;
       the context lives outside it.
-    * **The allocator's reserve**: Answer.AI's published log shows 3.72 GiB reserved right after wrapping the
-      model, before any training step (rank 0 quantizes layer by layer on the GPU and broadcasts with
-      `sync_module_states`; the cached blocks stay reserved), and training adds 1.26 GiB to that. Their
-      LoRA runs show the reserve directly: 8.28 GiB allocated against 10.24 GiB reserved.
+    * **The allocator's reserve**: in Answer.AI's script rank 0 quantizes the model layer by layer on the
+      GPU and broadcasts it with `sync_module_states`; the blocks the caching allocator cached while loading
+      stay reserved before any training step.
     * **bitsandbytes' own buffers**: `Linear4bit` keeps its quantization state on the module, outside the
       flat parameter, so the absmax statistics are replicated on every rank, and in March 2024 each weight
-      was dequantized to a full bf16 temporary for its matmul (worked by hand from the shapes: about
-      0.09 GiB of statistics per rank, 86 MiB for the largest temporary).
+      was dequantized to a full bf16 temporary for its matmul (both worked out from the shapes below).
 
+    """),
+    code("""
+    lab08.print_bitsandbytes_buffers(LlamaConfig.from_name("llama2-7b"))
+    """),
+    md("""
     At batch 8 × 2048 the activations, which the estimator counts, dominate and the allocator's reserve is
     a smaller share: the estimate lands close to the talk's figures (the difference is printed above).
     The GPU measurement of our own code (`python benchmarks/qlora_7b.py --device cuda`) has not been run
@@ -457,7 +469,8 @@ CELLS = [
 
     Write `nearest_code(normalised)`: for each value in [-1, 1], the index (0..15) of the nearest
     `NF4_CODEBOOK` entry, where a value exactly halfway between two codes goes to the **lower** code (as
-    bitsandbytes and torchao do). Hint: compare with the 15 midpoints between neighbouring codes,
+    bitsandbytes does; torchao takes the argmin of distances to its rounded table, so its ties can go
+    either way). Hint: compare with the 15 midpoints between neighbouring codes,
     computed in float32.
     """),
     exercise("""
@@ -482,8 +495,9 @@ CELLS = [
       and all-gathered as bytes, frozen yet resharded like any parameter. The NF4 linears move about a
       quarter of their bf16 bytes; a whole block's all-gather, whose float32 adapters and norms weigh the
       same either way, shrinks by less (both ratios printed in section 7).
-    * Published Llama-2-7B figures are allocator readings (reserved memory); the estimator counts live
-      bytes. At small batches the difference is mostly the caching allocator's reserve from loading.
+    * Answer.AI's published Llama-2-7B figure is the allocator's peak *reserved* memory (the talk does not
+      say which statistic it reports); the estimator counts live bytes. At small batches the difference
+      is mostly the caching allocator's reserve from loading.
 
     Read next: `fsdp_lab/qlora/nf4.py`, `nf4_fsdp.py`, `lora.py` and `docs/qlora.md`.
     """),
