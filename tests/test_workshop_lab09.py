@@ -38,6 +38,17 @@ def forgot_one_minus(oom, not_done):
     return int(t[0]), int(t[1])
 
 
+def local_flags(oom, not_done):
+    return oom, 1 - not_done  # no all-reduce: each rank sees only its own flags
+
+
+def torch_distributed_max(oom, not_done):
+    import torch.distributed as dist
+    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # right, but not on fsdp_lab's Timeline
+    return int(t[0]), 1 - int(t[1])
+
+
 def test_agreement_checker():
     stub, solution = SHIPPED["agreement"]
     assert lab09.check_agreement(stub).mistake == "stub"
@@ -45,6 +56,9 @@ def test_agreement_checker():
     assert lab09.check_agreement(sum_flags).mistake == "sum"
     assert lab09.check_agreement(two_all_reduces).mistake == "two_all_reduces"
     assert lab09.check_agreement(forgot_one_minus).mistake == "not_done"
+    assert lab09.check_agreement(local_flags).mistake == "local"
+    direct = lab09.check_agreement(torch_distributed_max)
+    assert direct.solved and "torch.distributed" in direct.message and "not checked" in direct.message
 
 
 def test_expected_is_the_formula():
@@ -56,7 +70,10 @@ def test_next_microbatch_checker():
     stub, solution = SHIPPED["next_microbatch"]
     assert lab09.check_next_microbatch(stub).mistake == "stub"
     assert lab09.check_next_microbatch(solution).solved
-    assert lab09.check_next_microbatch(lambda b, f, m=1: max(f // 2, 1)).mistake == "plain_halving"
+    plain = lab09.check_next_microbatch(lambda b, f, m=1: max(f // 2, 1))
+    assert plain.mistake == "plain_halving" and "below min_size" in plain.message  # batch 2, failed 2, min 2
+    halving_above_min = lab09.check_next_microbatch(lambda b, f, m=1: f // 2 if f // 2 >= m else None)
+    assert halving_above_min.mistake == "plain_halving" and "does not divide" in halving_above_min.message
     assert lab09.check_next_microbatch(lambda b, f, m=1: f).mistake == "no_step_down"
 
 

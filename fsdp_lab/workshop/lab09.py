@@ -8,6 +8,12 @@
 * ``check_next_microbatch(next_microbatch)``: the step-down rule after an OOM. Reference:
   ``AutoMicrobatch._largest_divisor`` (this package's rule), and Composer's plain halving to
   name that mistake.
+
+An agreement that calls ``torch.distributed`` directly is judged on its values alone: the
+Timeline records only ``fsdp_lab.collectives``, so its collectives cannot be counted.
+
+The lab's tables and figures are drawn by the helpers at the end of this module; the notebook
+computes what they show.
 """
 
 from __future__ import annotations
@@ -49,34 +55,48 @@ def _run(answer):
                            "return (t[0], 1 - t[1])")
 def check_agreement(agreement):
     per_rank = launch(_run, agreement, world_size=WORLD, timeout=CHECK_TIMEOUT)
+    wrong = []   # (case, rank, got, want) of every call that disagrees with the formula
     for i, case in enumerate(CASES):
         want = expected(case)
         for rank in range(WORLD):
-            got, n, ours = per_rank[rank][i]
+            got, _, ours = per_rank[rank][i]
             assert ours == want, "fsdp_lab's own agreement disagrees with the formula"
             if not isinstance(got, tuple) or len(got) != 2:
                 return mistake("shape", f"agreement returned {got!r}; return two ints: (someone_oomed, all_done)")
-            if got == want:
-                continue
-            someone = f"rank inputs {case} (rank r passes case[r] as (oom, not_done))"
-            if got[0] > 1 or got[1] > 1 or got[1] < 0:
-                return mistake("sum", f"for {someone} rank {rank} got {got}: a SUM counts ranks; "
-                                      f"the flags need MAX (want {want})")
-            if got == (want[0], 1 - want[1]):
-                return mistake("not_done", f"for {someone} rank {rank} got {got}: the second value is MAX of "
-                                           f"'not done'; every rank is done when that is 0 (want {want})")
-            if got[0] == case[rank][0] or got[1] == 1 - case[rank][1]:
-                return mistake("local", f"for {someone} rank {rank} got {got}: that is this rank's own "
-                                        f"flag; all-reduce it (want {want})")
-            return mistake("wrong", f"for {someone} rank {rank} got {got}, want {want}")
+            if got != want:
+                wrong.append((case, rank, got, want))
+    if wrong:
+        return _classify_wrong(wrong)
     counts = {n for rows in per_rank for _, n, _ in rows}
-    if counts != {1}:
+    if max(counts) > 1:
         return mistake("two_all_reduces", f"right values, but {max(counts)} collectives per call: Composer pays "
                                           "two (MAX then MIN); one two-element MAX does both, since "
                                           "MIN(done) = 1 - MAX(not done)")
+    if max(counts) == 0:
+        # right values through torch.distributed itself: the Timeline records only fsdp_lab.collectives
+        return correct(f"all {len(CASES)} combinations of two ranks' flags agree with the formula and with "
+                       "fsdp_lab.oom. Your calls went straight to torch.distributed, which the Timeline cannot "
+                       "see, so the number of collectives per call was not checked: with "
+                       "fsdp_lab.collectives.all_reduce the check would also count them (one is enough)")
     return correct(f"all {len(CASES)} combinations of two ranks' flags agree with the formula and with "
                    "fsdp_lab.oom, in one all-reduce per call: a rank that ran out makes every rank retry, "
                    "and nobody leaves the agreement loop while a peer is still inside the batch")
+
+
+def _classify_wrong(wrong):
+    """Name the mistake that explains every wrong call; quote the first one."""
+    case, rank, got, want = wrong[0]
+    where = f"for rank inputs {case} (rank r passes case[r] as (oom, not_done)) rank {rank} got {got}"
+    if any(v > 1 or v < 0 for _, _, g, _ in wrong for v in g):
+        return mistake("sum", f"{where}: a SUM counts ranks; the flags need MAX (want {want})")
+    # an answer that never all-reduces returns its own flags: (oom, 1 - not_done)
+    if all(g == (c[r][0], 1 - c[r][1]) for c, r, g, _ in wrong):
+        return mistake("local", f"{where}: those are this rank's own flags; all-reduce them so that "
+                                f"every rank sees all ranks' flags (want {want})")
+    if all(g == (w[0], 1 - w[1]) for _, _, g, w in wrong):
+        return mistake("not_done", f"{where}: the second value is MAX of 'not done'; every rank is done "
+                                   f"when that is 0, so return 1 minus it (want {want})")
+    return mistake("wrong", f"{where}, want {want}")
 
 
 def _reference(batch_size: int, failed: int, min_size: int):
@@ -96,11 +116,125 @@ def check_next_microbatch(next_microbatch):
         where = f"batch {b}, failed microbatch {f}, min {m}"
         if got == f and f > 1:
             return mistake("no_step_down", f"{where}: got {got}, the size that just failed; want {want}")
-        if got == max(f // 2, 1) and (want is None or b % max(f // 2, 1)):
+        if got == max(f // 2, 1):   # halving's answer, wrong here for one of three reasons
+            if b % got:
+                why = f"{got} does not divide the batch {b}"
+            elif got < m:
+                why = f"{got} is below min_size {m}"
+            else:
+                why = f"{got} is no smaller than the size that failed, so nothing is left to try (None)"
             return mistake("plain_halving", f"{where}: got {got}, want {want}. Plain halving is Composer's "
-                                            f"rule; {got} does not divide {b} (or is below the minimum)")
+                                            f"rule; here {why}")
         if got is not None and got < m:
             return mistake("below_min", f"{where}: got {got}, below min_size {m}; want {want}")
         return mistake("wrong", f"{where}: got {got}, want {want}")
     return correct(f"{len(cases)} cases agree with AutoMicrobatch's rule: every microbatch divides the batch, "
                    "so each step still sums the same samples with the same weights")
+
+
+# ----------------------------------------------------------------------------- the lab's figures and tables
+# Drawing and printing that the notebook calls; what they show is computed in the notebook.
+
+MiB = 2**20
+
+
+def print_recovery_table(rows_rank0: list, rows_rank1: list) -> None:
+    """One line per injected OOM: where, each rank's final microbatch, the retries and each
+    rank's leaked bytes. A row is (where, microbatch size, retries, leaked bytes)."""
+    print(f"{'OOM on rank 1 at':<26}{'microbatch r0':>14}{'microbatch r1':>14}{'retries':>8}{'leaked bytes r0/r1':>20}")
+    for row0, row1 in zip(rows_rank0, rows_rank1):
+        print(f"{row0[0]:<26}{row0[1]:>14}{row1[1]:>14}{row0[2]:>8}{f'{row0[3]}/{row1[3]}':>20}")
+
+
+def plot_agreement_timeline(merged, oom_time: float, retry_time: float):
+    """Both ranks' timeline of the step where rank 1 ran out at ``pre_backward``, with a red line
+    at the OOM and a green one where the retry starts (``time.perf_counter()`` values)."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.viz import plot_timeline
+
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    plot_timeline(merged, ax=ax, title="rank 1 runs out of memory at pre_backward; both agree, step down, retry")
+    t0 = min(e.t_start for e in merged.events)
+    ax.axvline((oom_time - t0) * 1e3, color="red", linewidth=2, label="OOM on rank 1")
+    ax.axvline((retry_time - t0) * 1e3, color="green", linewidth=2, label="retry starts (rank 0)")
+    # one legend: the timeline's lanes, then the two lines
+    old = ax.get_legend()
+    handles, labels = list(old.legend_handles), [t.get_text() for t in old.get_texts()]
+    old.remove()
+    extra, extra_labels = ax.get_legend_handles_labels()
+    ax.legend(handles + extra, labels + extra_labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    return fig
+
+
+def print_step_peaks(grid: dict, batch: int) -> None:
+    """The table of ``grid[n_layers, seq, microbatch]`` (peak bytes of a step), in MiB."""
+    layers, seqs, sizes = (sorted({key[i] for key in grid}) for i in range(3))
+    print(f"peak MiB of a step after the first (batch {batch}), rows: layers x seq, "
+          f"columns: microbatch {' '.join(map(str, sizes))}")
+    for n in layers:
+        for s in seqs:
+            print(f"  {n} layers, seq {s:>3}: " + " ".join(f"{grid[n, s, m] / MiB:6.2f}" for m in sizes))
+
+
+def plot_microbatch_search(grid: dict, batch: int, budget_mib: float, n_layers: int, seq_len: int, chosen):
+    """The measured peak of a step against the microbatch size, the budget, and the size
+    ``chosen`` (None: nothing fits). ``grid[n_layers, seq_len, size]`` holds bytes. Returns
+    (figure, one line of text)."""
+    import matplotlib.pyplot as plt
+
+    sizes = (1, 2, 4, 8)
+    peaks = [grid[n_layers, seq_len, m] / MiB for m in sizes]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot(sizes, peaks, "o-", label="measured peak of a step")
+    ax.axhline(budget_mib, color="red", linestyle="--", label="budget")
+    if chosen:
+        ax.plot([chosen], [grid[n_layers, seq_len, chosen] / MiB], "g*", markersize=16, label=f"chosen: {chosen}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(m) for m in sizes])
+    ax.set_xlabel("microbatch size")
+    ax.set_ylabel("MiB")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{n_layers} layers, seq {seq_len}, batch {batch}")
+    text = f"chosen microbatch: {chosen}" if chosen else "nothing fits: even microbatch 1 runs out of memory"
+    return fig, text
+
+
+def device_part(run: dict, host: tuple[str, ...]) -> int:
+    """Device bytes at the step's peak: the total less the ``host`` categories at that moment.
+    ``run``: {"total": peak bytes, "peak": {category: bytes at the peak}}."""
+    return run["total"] - sum(run["peak"][c] for c in host)
+
+
+def print_offload_breakdown(runs: dict, host: tuple[str, ...]) -> None:
+    """Rank 0's bytes by category at the peak of the offloaded step, FSDP2 beside FSDP1, and
+    where each category lives with offload; then each implementation's device peak without
+    and with offload. ``runs[impl, offload]``: {"total": bytes, "peak": {category: bytes}}."""
+    print(f"{'category at the peak (rank 0)':<30}{'FSDP2 MiB':>10}{'FSDP1 MiB':>10}  lives on, with offload")
+    for category, nbytes in runs["fsdp2", True]["peak"].items():
+        other = runs["fsdp1", True]["peak"][category]
+        if nbytes or other:
+            print(f"{category:<30}{nbytes / MiB:10.2f}{other / MiB:10.2f}  {'host' if category in host else 'device'}")
+    for impl in ("fsdp2", "fsdp1"):
+        offloaded = runs[impl, True]
+        on_host = sum(offloaded["peak"][c] for c in host)
+        print(f"{impl}: device peak without offload {runs[impl, False]['total'] / MiB:.2f} MiB, "
+              f"with offload {device_part(offloaded, host) / MiB:.2f} MiB "
+              f"({on_host / MiB:.2f} MiB of states on the host at that moment)")
+
+
+def plot_checklist(groups: dict):
+    """Print and draw each checklist group: ``{title: (baseline bytes, [(item, peak bytes)])}``."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(11, 3))
+    for ax, (title, (base, rows)) in zip(axes, groups.items()):
+        print(title)
+        for name, peak in rows:
+            print(f"  {name:<38}{peak / MiB:8.2f} MiB  {peak / base:6.1%} of its baseline")
+        ax.barh([r[0] for r in rows][::-1], [r[1] / MiB for r in rows][::-1], color="tab:blue")
+        ax.set_xlabel("peak MiB of a step (per rank)")
+        ax.set_title(title, fontsize=9)
+    fig.suptitle("the slaying-OOMs checklist, measured")
+    fig.tight_layout()
+    return fig

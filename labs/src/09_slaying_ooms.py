@@ -35,7 +35,6 @@ CELLS = [
     from fsdp_lab.models.data import global_batch, shard_batch
     from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
     from fsdp_lab.timeline import Timeline
-    from fsdp_lab.viz import plot_timeline
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab09, lab_files
 
@@ -76,10 +75,11 @@ CELLS = [
 
     Composer also checks after each microbatch's forward and agrees once more after the optimizer step. It has
     no sync before the reduce-scatter (a to-do in its code). This package names its points in
-    `fsdp_lab.sync_points`, and its FSDP2 fires them itself (`sync_points.fire(point, module)`):
+    `fsdp_lab.sync_points`, and its FSDP1 and FSDP2 both fire them (`sync_points.fire(point, module)`):
     `pre_forward`, `pre_backward`, `post_backward`, and right before every `all_gather` (after the gathered
-    storage is allocated, Composer's fourth point) and every `reduce_scatter` (the point Composer lacks), plus
-    `optimizer_step`. The sync hook runs at `all_gather`, `reduce_scatter` and `optimizer_step`.
+    storage is allocated, Composer's fourth point) and every `reduce_scatter` (the point Composer lacks).
+    `AutoMicrobatch.train_step` fires one more, `optimizer_step`, after the last microbatch's backward and
+    before the optimizer step. The sync hook runs at `all_gather`, `reduce_scatter` and `optimizer_step`.
 
     First without sync hooks: rank 1 fails at its second `pre_backward` and goes to agree on a retry,
     while rank 0 is already inside the backward all-gather. `launch` sees both ranks waiting in collectives
@@ -132,9 +132,13 @@ CELLS = [
     (`FSDPModule.recover_from_error()`: free gathered parameters, drop partial gradients), step the
     microbatch down and retry the same data.
 
-    We make rank 1 fail at each sync point in turn, then in the middle of its 5th allocation in forward and
-    in backward (`memory_budget(..., fail_at=("backward", 5))`: a real `torch.OutOfMemoryError` raised by the
-    emulated allocator, away from any sync point), all in one launch.
+    We make rank 1 fail at the points where `inject_oom` aims in `CASES` below (`pre_forward`,
+    `pre_backward`, `post_backward` and `optimizer_step`), then in the middle of an allocation in forward
+    and in backward (`memory_budget(..., fail_at=(phase, n))`, the n-th allocation of that phase, as the
+    table names it: a real `torch.OutOfMemoryError` raised by the emulated allocator, away from any sync
+    point), all in one launch. The `optimizer_step` point fires *before* the step, so its OOM is retried
+    like the others; an OOM inside `optimizer.step()` itself raises `OptimizerStepOOMError` on every rank
+    and is not retried, since the step's memory does not depend on the microbatch size.
     """),
     code("""
     LEAK_CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "activations", "sharded_grads")
@@ -173,15 +177,14 @@ CELLS = [
         return {"rows": rows, "timeline": timeline, "marks": marks}
 
     recovered = fsdp_lab.launch(recover_at_each_point, world_size=2, timeout=180)
-    print(f"{'OOM on rank 1 at':<26}{'microbatch r0':>14}{'microbatch r1':>14}{'retries':>8}{'leaked bytes r0/r1':>20}")
-    for row0, row1 in zip(recovered[0]["rows"], recovered[1]["rows"]):
-        print(f"{row0[0]:<26}{row0[1]:>14}{row1[1]:>14}{row0[2]:>8}{f'{row0[3]}/{row1[3]}':>20}")
+    lab09.print_recovery_table(recovered[0]["rows"], recovered[1]["rows"])
     """),
     md("""
     The table above is this run's: in every case both ranks end on the same microbatch, and no gathered
-    parameter, buffer or partial gradient survives the recovery (leaked bytes: what those categories still
-    hold after the step). An OOM in the middle of an allocation is caught by the same agreement as one at a
-    sync point: the failing rank leaves the batch, the healthy one meets its flag at its next sync.
+    parameter or communication buffer is still held after the step (leaked bytes: what `LEAK_CATEGORIES`
+    still hold then; gradients cannot show up there, as `zero_grad(set_to_none=True)` runs after every
+    step). An OOM in the middle of an allocation is caught by the same agreement as one at a sync point:
+    the failing rank leaves the batch, the healthy one meets its flag at its next sync.
 
     Without hooks rank 0 sits in FSDP's all-gather while rank 1 waits in the agreement's all-reduce
     (`oom_sync`, on this package's own gloo group). In Composer both run on the one default communicator,
@@ -203,17 +206,7 @@ CELLS = [
         first = names.index("oom_sync")
         print(f"rank {rank}: {len(events)} collectives, {names.count('oom_sync')} oom_sync all-reduces; "
               f"first ones: {names[:6]}")
-    fig, ax = plt.subplots(figsize=(11, 3.5))
-    plot_timeline(merged, ax=ax, title="rank 1 runs out of memory at pre_backward; both agree, step down, retry")
-    t0 = min(e.t_start for e in merged.events)
-    marks = recovered[1]["marks"]
-    ax.axvline((marks["oom"] - t0) * 1e3, color="red", linewidth=2, label="OOM on rank 1")
-    ax.axvline((recovered[0]["marks"]["retry"] - t0) * 1e3, color="green", linewidth=2, label="retry starts (rank 0)")
-    old = ax.get_legend()
-    handles, labels = list(old.legend_handles), [t.get_text() for t in old.get_texts()]
-    old.remove()
-    extra, extra_labels = ax.get_legend_handles_labels()
-    ax.legend(handles + extra, labels + extra_labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    fig = lab09.plot_agreement_timeline(merged, recovered[1]["marks"]["oom"], recovered[0]["marks"]["retry"])
     files.savefig(fig, "agreement_timeline.png", dpi=90, bbox_inches="tight")
     """),
     md("""
@@ -221,8 +214,8 @@ CELLS = [
 
     One process is enough to see the search. We measure the peak of a training step (AdamW) for every
     microbatch size, model depth and sequence length, then let `AutoMicrobatch` search under a budget:
-    it starts at the whole batch (8) and steps down to the largest divisor of 8 at most half the failed size
-    (this package's rule; Composer simply halves, which is the same for a power of two).
+    it starts at the whole batch (`B`) and steps down to the largest divisor of `B` at most half the failed
+    size (this package's rule; Composer simply halves, which is the same for a power of two).
 
     Which step? AdamW creates its state (two tensors the size of each parameter) inside the first
     `step()`, so during the first forward and backward that state does not exist yet; from the second step
@@ -254,10 +247,7 @@ CELLS = [
         return tracker.peak_total(), tracker.peak()
 
     GRID = {(n, s, m): step_peak(n, s, m)[0] for n in (2, 4) for s in (32, 64, 128) for m in (1, 2, 4, 8)}
-    print("peak MiB of a step after the first (batch 8), rows: layers x seq, columns: microbatch 1 2 4 8")
-    for n in (2, 4):
-        for s in (32, 64, 128):
-            print(f"  {n} layers, seq {s:>3}: " + " ".join(f"{GRID[n, s, m] / MiB:6.2f}" for m in (1, 2, 4, 8)))
+    lab09.print_step_peaks(GRID, B)
     first_total, first = step_peak(2, 32, 8, first_step=True)
     later_total, later = step_peak(2, 32, 8)
     print(f"2 layers, seq 32, microbatch 8: first step {first_total / MiB:.2f} MiB, every later step "
@@ -273,7 +263,9 @@ CELLS = [
             size = max((d for d in range(1, size // 2 + 1) if B % d == 0), default=0)
         return None
 
-    budget = int((GRID[4, 128, 2] + GRID[4, 128, 4]) / 2)
+    # halfway between the first step's peak and a later step's, both at microbatch 4
+    first_at_4, later_at_4 = step_peak(4, 128, 4, first_step=True)[0], GRID[4, 128, 4]
+    budget = int((first_at_4 + later_at_4) / 2)
     model = Llama(LlamaConfig.from_name("cpu", n_layers=4), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     amb = AutoMicrobatch(model, opt, B)
@@ -284,30 +276,20 @@ CELLS = [
             result = amb.train_step(global_batch(CONFIG.vocab_size, B, 128, step=step))
             print(f"step {step + 1}: tried {amb.tried[tried_before:]}, chose {result.microbatch_size}, "
                   f"OOMs raised: {tracker.failures - failures_before}")
-    print(f"first step at microbatch 4: {step_peak(4, 128, 4, first_step=True)[0] / MiB:.2f} MiB, "
-          f"a later one: {GRID[4, 128, 4] / MiB:.2f} MiB")
+    print(f"at microbatch 4 the first step peaks at {first_at_4 / MiB:.2f} MiB, a later one at {later_at_4 / MiB:.2f} MiB; "
+          f"within the budget: first {first_at_4 <= budget}, later {later_at_4 <= budget}")
     """),
     md("""
-    The first step fits at a microbatch the table rules out: it runs before AdamW's state exists. The
-    second step holds that state, runs out of memory at the same size, and steps down again, to the size the
-    table predicted; from then on each step fits at the first try. On a GPU this is the run that trains one
-    step and dies on the second: size a budget for the step that repeats, not the first one.
+    The budget sits between the two peaks of the last line, so the first step fits at a microbatch the
+    table rules out: it runs before AdamW's state exists. The second step holds that state, runs out of
+    memory at the same size, and steps down again, to the size the table predicted; from then on each step
+    fits at the first try. On a GPU this is the run that trains one step and dies on the second: size a
+    budget for the step that repeats, not the first one.
     """),
     code("""
     def render(budget_mib, n_layers, seq_len):
-        sizes = (1, 2, 4, 8)
-        peaks = [GRID[n_layers, seq_len, m] / MiB for m in sizes]
         chosen = predicted_microbatch(budget_mib * MiB, n_layers, seq_len)
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        ax.plot(sizes, peaks, "o-", label="measured peak of a step")
-        ax.axhline(budget_mib, color="red", linestyle="--", label="budget")
-        if chosen:
-            ax.plot([chosen], [GRID[n_layers, seq_len, chosen] / MiB], "g*", markersize=16, label=f"chosen: {chosen}")
-        ax.set_xscale("log", base=2); ax.set_xticks(sizes, [str(m) for m in sizes])
-        ax.set_xlabel("microbatch size"); ax.set_ylabel("MiB"); ax.legend(fontsize=8)
-        ax.set_title(f"{n_layers} layers, seq {seq_len}, batch {B}")
-        text = f"chosen microbatch: {chosen}" if chosen else "nothing fits: even microbatch 1 runs out of memory"
-        return fig, text
+        return lab09.plot_microbatch_search(GRID, B, budget_mib, n_layers, seq_len, chosen)
 
     fig, text = render(round(budget / MiB, 1), 4, 128)
     print(text)
@@ -327,19 +309,21 @@ CELLS = [
     On a GPU, a step that *almost* does not fit does not always fail. When PyTorch's caching allocator finds
     no free cached block and `cudaMalloc` fails, it frees its cached blocks and calls `cudaMalloc` again;
     `torch.cuda.memory_stats()["num_alloc_retries"]` counts those failed calls that ended in a cache flush
-    and retry. Each one synchronizes the device and empties the cache — steps get slow. `AutoMicrobatch`
-    (as Composer does) compares that count after each step with the one before; retries growing in
-    **2 consecutive steps** on any rank (one MAX all-reduce) count as an OOM: the microbatch steps down for
-    the next step and the sync hooks come back. (Composer instead re-runs the same batch with the smaller
-    microbatch.)
+    and retry. Each one synchronizes the device and empties the cache — steps get slow. Like Composer,
+    `AutoMicrobatch` compares that count after each step with the one before; retries growing in
+    **2 consecutive steps** count as an OOM: the microbatch steps down for the next step and the sync hooks
+    come back. The streak is counted differently: Composer MAX-reduces a per-batch flag "some rank's count
+    grew" and counts consecutive batches with it set (the growth may come from different ranks); this
+    package counts each rank's own streak and MAX-reduces "my streak reached 2". (Composer also re-runs the
+    same batch with the smaller microbatch; this package steps down for the next one.)
 
     Here the emulated allocator does the counting: `memory_budget(None, retry_above=...)` adds a retry each
     time an allocation takes the tracked total past a line, and `AutoMicrobatch` reads that count where it
     would read `num_alloc_retries`. The line sits between the peaks of a later step at microbatch 4 and 8
     measured in section 4; the output shows the count after each step and the microbatch each step used. Inside
     `AutoMicrobatch` the first step stays under the line (AdamW's state does not exist yet); from the second
-    step on, microbatch 8 crosses it, the count grows twice in a row, and the rule steps down to 4, where the
-    count stops growing:
+    step on, the whole batch crosses it, the count grows twice in a row, and the rule steps down to the next
+    divisor (microbatch per step, printed), where the count stops growing:
     """),
     code("""
     import fsdp_lab.automicrobatch as automicrobatch_module
@@ -371,8 +355,10 @@ CELLS = [
     copies the shard up first. On a GPU that saves those
     three categories of device memory and costs host-device copies and a slower step. On this CPU machine both
     "devices" are the same memory, so the breakdown below shows *which categories move to the host*; the
-    saving on a GPU is their sum. The model here is one where the states are the point: 8 layers, each
-    rank 8 sequences of 8 tokens. (Step times are in an ignored cell.)
+    saving on a GPU is their sum. The model here is one where the states are the point: many layers and
+    short sequences (the first line of the output). The last lines split the device peak of the offloaded
+    step: the host categories' bytes *at that moment* are what offload took off the device then. (Step
+    times are in an ignored cell.)
     """),
     code("""
     HOST = ("sharded_params", "sharded_grads", "optimizer_state")
@@ -395,20 +381,9 @@ CELLS = [
 
     offload_runs = fsdp_lab.launch(offload_compare, world_size=2, timeout=180)[0]
     offload = {flag: offload_runs["fsdp2", flag] for flag in (False, True)}  # FSDP2's, for the checklist
-    print(f"{'category at the peak (rank 0)':<30}{'FSDP2 MiB':>10}{'FSDP1 MiB':>10}  lives on, with offload")
-    for category, nbytes in offload_runs["fsdp2", True]["peak"].items():
-        other = offload_runs["fsdp1", True]["peak"][category]
-        if nbytes or other:
-            print(f"{category:<30}{nbytes / MiB:10.2f}{other / MiB:10.2f}  {'host' if category in HOST else 'device'}")
-
-    def device_part(run):
-        return run["total"] - sum(run["peak"][c] for c in HOST)
-
-    for impl in ("fsdp2", "fsdp1"):
-        print(f"{impl}: device peak without offload {offload_runs[impl, False]['total'] / MiB:.2f} MiB, "
-              f"with offload {device_part(offload_runs[impl, True]) / MiB:.2f} MiB "
-              f"({sum(offload_runs[impl, True]['peak'][c] for c in HOST) / MiB:.2f} MiB of states on the host)")
-    device_with = device_part(offload[True])
+    print(f"model: {STATE_LAYERS} layers; each rank {B} sequences of {STATE_SEQ} tokens")
+    lab09.print_offload_breakdown(offload_runs, HOST)   # ends with each implementation's device part
+    device_with = lab09.device_part(offload[True], HOST)   # the peak less what sat on the host at that moment
     """),
     md("""
     Both implementations move the same three categories to the host, and the table reads each one's true
@@ -429,8 +404,8 @@ CELLS = [
     backward (about one extra forward); microbatching keeps the whole step's math but runs it in pieces (more,
     smaller kernels; same number of FLOPs). Each item of the slaying-OOMs checklist attacks one kind of
     memory, so each is measured where that kind dominates (peak bytes per rank of an AdamW step after the
-    first, as in section 6): the state items on section 6's model (8 layers, 8 sequences of 8 tokens per
-    rank), the activation items on a 2-layer model with 8 sequences of 128 tokens.
+    first, as in section 6): the state items on section 6's model, the activation items on a shallow model
+    with long sequences (each group's title names its layers and sequence length).
     """),
     code("""
     SEQ_LONG = 128
@@ -448,15 +423,7 @@ CELLS = [
             ("microbatch 2 (AutoMicrobatch-style)", step_peak(2, SEQ_LONG, 2)[0]),
             ("activation checkpointing", step_peak(2, SEQ_LONG, 8, checkpoint=True)[0])]),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3))
-    for ax, (title, (base, rows)) in zip(axes, groups.items()):
-        print(title)
-        for name, peak in rows:
-            print(f"  {name:<38}{peak / MiB:8.2f} MiB  {peak / base:6.1%} of its baseline")
-        ax.barh([r[0] for r in rows][::-1], [r[1] / MiB for r in rows][::-1], color="tab:blue")
-        ax.set_xlabel("peak MiB of a step (per rank)"); ax.set_title(title, fontsize=9)
-    fig.suptitle("the slaying-OOMs checklist, measured")
-    fig.tight_layout()
+    fig = lab09.plot_checklist(groups)
     files.savefig(fig, "checklist.png", dpi=90, bbox_inches="tight")
     """),
     md("""
@@ -464,9 +431,11 @@ CELLS = [
     the FSDP2 row over its baseline is printed above; FSDP adds gathered parameters and communication
     buffers on top of the halved states), offload moves the sharded states off the device, and LoRA/QLoRA
     drop the frozen base's gradients and optimizer state. Where activations dominate, only microbatching and
-    checkpointing help. On a 7B model the states dominate, so sharding, offload and QLoRA come first. Order of attack when a step does
-    not fit: shard → checkpoint / microbatch (activations) → offload (states) → LoRA / QLoRA (states and
-    weights) — and let `AutoMicrobatch` pick the microbatch on every rank at once.
+    checkpointing help. Which kind dominates decides the order of attack. On this small model activations
+    grow fastest with the sequence, so microbatching and checkpointing help most. On a 7B model at typical
+    sequence lengths the states dominate (weights, gradients and two AdamW moments for every parameter):
+    shard first, then offload the states or use QLoRA, and checkpoint or microbatch when the activations
+    still do not fit — letting `AutoMicrobatch` pick the microbatch on every rank at once.
 
     ## 8. Exercise: the agreement that decides the retry on every rank
 
@@ -515,8 +484,8 @@ CELLS = [
 
     * One rank's OOM deadlocks FSDP at the next collective. Composer syncs before each FSDP1 unit's forward
       all-gather, its backward all-gather, the post-backward prefetch all-gather, and inside FSDP1's unshard
-      after the storage is re-allocated; this package adds a sync before each reduce-scatter and before the
-      optimizer step, inside its own FSDP2.
+      after the storage is re-allocated; this package's FSDP1 and FSDP2 add a sync before each
+      reduce-scatter, and `AutoMicrobatch.train_step` one before the optimizer step.
     * Sync hooks + an agreement ("someone ran out", "everyone is done") on a separate group turn that into a
       clean, shared retry — whether the OOM came at a sync point or mid-allocation in forward or backward:
       recover FSDP state, step the microbatch down, rerun the same data.
