@@ -37,11 +37,34 @@ def nothing(model):
     return model
 
 
+def root_first(model):
+    fully_shard(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return model
+
+
+def inner_model_as_root(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.model)  # leaves lm_head, which sits beside model.model, unsharded
+    return model
+
+
+def inner_model_and_root(model):
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model.model)
+    fully_shard(model)
+    return model
+
+
 @pytest.fixture(scope="module")
 def lab10_launch():
     solution = LAB10["shard_hf_model"][1]
-    return SharedLaunch(lab10._run_shard, [(solution,), (root_only,), (layers_only,), (nothing,)],
-                        world_size=lab10.WORLD)
+    answers = [solution, root_only, layers_only, nothing, inner_model_as_root, inner_model_and_root,
+               root_first]   # last: it raises inside fully_shard, after which the ranks run nothing more
+    return SharedLaunch(lab10._run_shard, [(answer,) for answer in answers], world_size=lab10.WORLD)
 
 
 def test_shard_hf_model_verdicts(lab10_launch, monkeypatch):
@@ -54,6 +77,12 @@ def test_shard_hf_model_verdicts(lab10_launch, monkeypatch):
     assert lab10.check_shard_hf_model(root_only).mistake == "one_group"
     assert lab10.check_shard_hf_model(layers_only).mistake == "root_not_sharded"
     assert lab10.check_shard_hf_model(nothing).mistake == "not_sharded"
+    assert lab10.check_shard_hf_model(root_first).mistake == "root_first"
+    inner = lab10.check_shard_hf_model(inner_model_as_root)
+    assert inner.mistake == "root_not_sharded" and "not sharded: lm_head.weight." in inner.message
+    assert "fully_shard(model)" in inner.message
+    four = lab10.check_shard_hf_model(inner_model_and_root)
+    assert four.solved and "4 parameter groups" in four.message and "model.model and the root" in four.message
 
 
 def _adapters(model):
@@ -91,6 +120,18 @@ def shifted(model):
     return out
 
 
+def empty(model):
+    return {}
+
+
+def modules_not_tensors(model):
+    return {f"base_model.model.{n}.lora_A.weight": m for n, m in _adapters(model)}
+
+
+def only_lora_a(model):
+    return {f"base_model.model.{n}.lora_A.weight": m.lora_a for n, m in _adapters(model)}
+
+
 def test_peft_state_dict_verdicts():
     stub, solution = LAB10["peft_state_dict"]
     assert lab10.check_peft_state_dict(stub).mistake == "stub"
@@ -100,3 +141,8 @@ def test_peft_state_dict_verdicts():
     assert lab10.check_peft_state_dict(lower_case).mistake == "case"
     assert lab10.check_peft_state_dict(swapped).mistake == "swapped"
     assert lab10.check_peft_state_dict(shifted).mistake == "wrong_values"
+    assert lab10.check_peft_state_dict(empty).mistake == "empty"
+    not_tensors = lab10.check_peft_state_dict(modules_not_tensors)
+    assert not_tensors.mistake == "not_tensors" and "maps to a LoRALinear" in not_tensors.message
+    missing = lab10.check_peft_state_dict(only_lora_a)
+    assert missing.mistake == "wrong_keys" and "lora_B.weight, which you left out" in missing.message

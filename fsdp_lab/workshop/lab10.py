@@ -74,36 +74,63 @@ def _run_shard(answer):
     model = tiny_llama()
     result = answer(model)
     model = result if isinstance(result, torch.nn.Module) else model
-    groups = sum(isinstance(m, FSDPModule) for m in model.modules())
+    groups = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]   # "" is the root
     plain = [n for n, p in model.named_parameters() if type(p).__name__ != "DTensor"]
     layers_sharded = all(isinstance(layer, FSDPModule) for layer in model.model.layers)
     losses = train_losses(model, rank, world) if not plain else None
     return {"groups": groups, "plain": plain, "layers_sharded": layers_sharded, "losses": losses}
 
 
+def _explain_shard(error: BaseException, text: str):
+    # fully_shard copying a parameter that is already a DTensor: an outer module was sharded first
+    if "got mixed torch.Tensor and DTensor" in text and "in fully_shard" in text:
+        return mistake("root_first", "fully_shard met parameters that an earlier fully_shard had already made "
+                                     "DTensors: the root was sharded before its decoder layers and took their "
+                                     "parameters into its group. fully_shard each decoder layer first, then "
+                                     "the root: FSDP2 shards bottom-up")
+    return None
+
+
+def _losses_text(losses: list[float]) -> str:
+    # float32 losses: the last digits depend on the CPU's kernels, so they are printed after a "≈"
+    return ", ".join(f"≈{x:.4f}" for x in losses)
+
+
 @checker("shard_hf_model", hint="call fully_shard(layer) for each layer in model.model.layers, "
-                                 "then fully_shard(model) for the root")
+                                 "then fully_shard(model) for the root", explain=_explain_shard)
 def check_shard_hf_model(shard_hf_model):
     """Run ``shard_hf_model`` on 2 ranks, train, compare with one process."""
     out = launch(_run_shard, shard_hf_model, world_size=WORLD, timeout=CHECK_TIMEOUT)[0]
-    n_layers = 2
-    if out["groups"] == 0:
+    groups, plain = out["groups"], out["plain"]
+    if not groups:
         return mistake("not_sharded", "no module of the model became an FSDPModule; call "
                                       "fully_shard on the decoder layers and on the model")
-    if out["plain"]:
+    if plain:
+        listed = ", ".join(plain) if len(plain) <= 4 else f"{', '.join(plain[:4])}, ..."
+        if "" not in groups and "model" in groups:
+            # model.model holds the layers, embeddings and norm; lm_head sits beside it in the root
+            return mistake("root_not_sharded",
+                           f"{len(plain)} parameter(s) not sharded: {listed}. You sharded model.model, which "
+                           "leaves out what sits beside it in LlamaForCausalLM; call fully_shard(model), the "
+                           "whole LlamaForCausalLM, last")
         return mistake("root_not_sharded",
-                       f"{len(out['plain'])} parameters are not sharded ({', '.join(out['plain'][:3])}, ...): "
-                       "the embeddings, final norm and lm_head belong to the root; call fully_shard(model) last")
+                       f"{len(plain)} parameter(s) not sharded: {listed}. The embeddings, final norm and "
+                       "lm_head belong to the root; call fully_shard(model) last")
     if not out["layers_sharded"]:
-        return mistake("one_group", f"only {out['groups']} parameter group(s): the whole model is "
+        return mistake("one_group", f"only {len(groups)} parameter group(s): the whole model is "
                                     "all-gathered at once, so no rank ever holds less than the full model; "
                                     "shard each decoder layer before the root")
     reference = train_losses(tiny_llama())
     if not torch.allclose(torch.tensor(out["losses"]), torch.tensor(reference), atol=1e-6, rtol=0):
-        return mistake("wrong_losses", f"losses {out['losses']} differ from one process's {reference}")
-    return correct(f"{out['groups']} parameter groups ({n_layers} decoder layers + the root); on {WORLD} "
-                   f"ranks the losses {[round(x, 6) for x in out['losses']]} equal one process's: "
-                   "a transformers model is sharded like any other nn.Module")
+        return mistake("wrong_losses", f"losses {_losses_text(out['losses'])} differ from those of the same "
+                                       f"model trained in one process, {_losses_text(reference)}")
+    # named as the learner reaches them from `model`, deepest first: the order they are sharded in
+    deepest_first = sorted(groups, key=lambda name: (-(name.count(".") + bool(name)), name))
+    names = [f"model.{name}" if name else "the root" for name in deepest_first]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return correct(f"{len(groups)} parameter groups ({listed}); on {WORLD} ranks the losses "
+                   f"({_losses_text(out['losses'])}) equal those of the same model trained in one process "
+                   "(to 1e-6): a transformers model is sharded like any other nn.Module")
 
 
 def _qlora_model():
@@ -140,8 +167,16 @@ def check_peft_state_dict(peft_state_dict):
 
     model = _qlora_model()
     answer = peft_state_dict(model)
-    if not isinstance(answer, dict) or not all(isinstance(v, torch.Tensor) for v in answer.values()):
+    if not isinstance(answer, dict):
         return mistake("not_a_dict", f"return a dict of key -> tensor, got {type(answer).__name__}")
+    not_tensors = [(k, v) for k, v in answer.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        key, value = not_tensors[0]
+        return mistake("not_tensors", f"{key!r} maps to a {type(value).__name__}, not a tensor: map each key "
+                                      "to the adapter's tensor itself (module.lora_a or module.lora_b)")
+    if not answer:
+        return mistake("empty", "the dict is empty: no module matched. The adapters are the modules for which "
+                                "isinstance(module, LoRALinear) holds, found by model.named_modules()")
     config = hf.peft_adapter_config(model)
     expected = _peft_reference_keys(config)
     keys = set(answer)
@@ -152,8 +187,11 @@ def check_peft_state_dict(peft_state_dict):
         if not any(k.startswith("base_model.model.") for k in keys):
             return mistake("no_prefix", f"PEFT's keys start with 'base_model.model.' (the PeftModel wraps "
                                         f"the model): e.g. {example}, you gave {sorted(keys)[0]}")
+        missing, extra = sorted(expected - keys), sorted(keys - expected)
+        shown = [f"PEFT has {missing[0]}, which you left out" if missing else "",
+                 f"you gave {extra[0]}, which PEFT does not have" if extra else ""]
         return mistake("wrong_keys", f"{len(keys & expected)} of {len(expected)} keys match PEFT's; "
-                                     f"e.g. PEFT has {example}")
+                                     + "; ".join(s for s in shown if s))
     for key, tensor in answer.items():
         name = key[len("base_model.model."):].rsplit(".", 2)[0]
         lora = model.get_submodule(name)
