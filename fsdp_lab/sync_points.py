@@ -1,11 +1,13 @@
 """Named points in FSDP's schedule where other code may run (and raise).
 
-FSDP calls ``fire(point, module_name)`` at the moments that matter for cross-rank safety:
+FSDP (fsdp_lab's FSDP1 and FSDP2) calls ``fire(point, module_name)`` at the moments that matter for cross-rank safety:
 
 * ``"pre_forward"``, ``"pre_backward"``, ``"post_backward"``: a unit's forward pre-hook, its
   pre-backward hook and its post-backward hook (where fault injection aims);
 * ``"all_gather"`` and ``"reduce_scatter"``: right before a unit's collective is issued, after
-  its buffers are allocated, so nothing can fail between the last sync and the collective.
+  its buffers are allocated, so nothing can fail between the last sync and the collective;
+* ``"optimizer_step"`` (module name ""): fired by ``AutoMicrobatch.train_step`` after the last
+  microbatch's backward and before the optimizer step, not by FSDP itself.
 
 ``register(fn)`` adds ``fn(point, module_name)``; it returns a handle whose ``remove()``
 takes it away again. With nothing registered ``fire`` is one ``if`` (no cost in a
