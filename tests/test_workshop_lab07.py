@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_lab.compare import compare
+from fsdp_lab.timeline import _union
 from fsdp_lab.workshop import lab07
 from test_workshop_labs import shipped
 
@@ -105,13 +106,7 @@ def no_union(comm, compute):
 
 def compute_union_only(comm, compute):
     """Merges the compute intervals but not the comm ones: concurrent collectives count twice."""
-    merged = []
-    for a, b in sorted(compute):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return no_union(comm, merged)
+    return no_union(comm, _union(compute))
 
 
 def divides_by_zero(comm, compute):

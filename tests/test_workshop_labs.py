@@ -320,28 +320,14 @@ class UntaggedGradZeRO1(zero.ZeRO1):
 
 
 class UntaggedShardsZeRO3(zero.ZeRO3):
+    def param_shard(self, param):
+        return self.my_slice(param.data).clone().requires_grad_()    # the slice, but not tagged
+
+
+class ShardOfOnlyZeRO3(zero.ZeRO3):
     def setup(self):
-        shards = [self.my_slice(p.data).clone().requires_grad_() for p in self.params]  # not param_shard
-        self.shards, self.shard_of = shards, dict(zip(self.params, shards))
-        self._hook_up()
-
-    def _hook_up(self):
-        for p, shard in zip(self.params, self.shards):
-            zero.free_storage(p)
-            p.register_post_accumulate_grad_hook(functools.partial(self.reduce_gradient, shard))
-        self.optimizer = self.make_optimizer(self.shards)
-        for unit in self.units():
-            unit.register_forward_pre_hook(lambda module, args: self.gather(module))
-            unit.register_forward_hook(lambda module, args, output: self.free(module))
-            unit.register_full_backward_pre_hook(lambda module, grad_output: self.gather(module))
-
-
-class ShardOfOnlyZeRO3(UntaggedShardsZeRO3):
-    def setup(self):
-        self.shard_of = {p: self.param_shard(p) for p in self.params}   # self.shards never set
-        self.shards = list(self.shard_of.values())
-        self._hook_up()
-        self.shards = None
+        super().setup()
+        self.shards = None                                 # kept only in self.shard_of
 
 
 LAB03 = shipped("03_zero_by_hand")
