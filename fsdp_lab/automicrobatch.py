@@ -17,8 +17,8 @@ same two-flag all-reduce (``fsdp_lab.oom.sync_hook`` at ``fsdp_lab.sync_points``
 whose peer failed learns of it before entering a collective the peer will never join. The
 hooks cost a tiny all-reduce per collective: they are removed after ``stable_steps`` clean
 steps and re-installed after an OOM, after ``after_eval()`` and when thrashing is detected.
-Thrashing (CUDA): ``num_alloc_retries`` growing in 2 consecutive steps on any rank (MAX
-all-reduce) counts as an OOM for the next step's microbatch.
+Thrashing (CUDA): ``num_alloc_retries`` growing in ``THRASHING_STREAK`` (2) consecutive steps
+on any rank (MAX all-reduce) counts as an OOM for the next step's microbatch.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ import torch.nn as nn
 
 from fsdp_lab import oom, sync_points
 from fsdp_lab.oom import PeerOutOfMemoryError, agree, suspend_budget
+
+# Steps in a row whose allocator retries grew that count as an out-of-memory (Composer's rule).
+THRASHING_STREAK = 2
 
 __all__ = ["AutoMicrobatch", "StepResult", "MicrobatchSearchError", "OptimizerStepOOMError", "split_batch"]
 
@@ -118,7 +121,8 @@ class AutoMicrobatch:
         min_microbatch: never try below this size.
         loss_fn: ``loss_fn(model, microbatch) -> scalar loss`` (default ``model(mb).loss``).
         stable_steps: clean steps after which the sync hooks are removed (3, as in Composer).
-        detect_thrashing: step down when CUDA allocator retries grow in 2 consecutive steps.
+        detect_thrashing: step down when CUDA allocator retries grow in ``THRASHING_STREAK`` (2)
+            consecutive steps.
 
     Raises ValueError for a bad size argument.
     """
@@ -295,7 +299,7 @@ class AutoMicrobatch:
         grew = self._last_retries is not None and retries > self._last_retries
         self._last_retries = retries
         self._retry_streak = self._retry_streak + 1 if grew else 0
-        agreed = _max_flag(self._retry_streak >= 2)
+        agreed = _max_flag(self._retry_streak >= THRASHING_STREAK)
         if agreed:
             self._retry_streak = 0
         return agreed

@@ -18,7 +18,9 @@ computes what they show.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import time
 
 from fsdp_lab.launch import launch
 from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake
@@ -128,7 +130,8 @@ def check_next_microbatch(next_microbatch):
         if got is not None and got < m:
             return mistake("below_min", f"{where}: got {got}, below min_size {m}; want {want}")
         return mistake("wrong", f"{where}: got {got}, want {want}")
-    return correct(f"{len(cases)} cases agree with AutoMicrobatch's rule: every microbatch divides the batch, "
+    return correct(f"{len(cases)} cases (batch sizes 1-{max(b for b, _, _ in cases)}, every failed size, "
+                   f"min_size 1-3) agree with AutoMicrobatch's rule: every microbatch divides the batch, "
                    "so each step still sums the same samples with the same weights")
 
 
@@ -144,6 +147,28 @@ def print_recovery_table(rows_rank0: list, rows_rank1: list) -> None:
     print(f"{'OOM on rank 1 at':<26}{'microbatch r0':>14}{'microbatch r1':>14}{'retries':>8}{'leaked bytes r0/r1':>20}")
     for row0, row1 in zip(rows_rank0, rows_rank1):
         print(f"{row0[0]:<26}{row0[1]:>14}{row1[1]:>14}{row0[2]:>8}{f'{row0[3]}/{row1[3]}':>20}")
+
+
+@contextlib.contextmanager
+def clock_marks(amb, point: str, skip: int, marks: dict):
+    """Within the block, record in ``marks`` the ``time.perf_counter()`` seconds at which rank 1
+    reached sync point ``point`` for the ``skip``-th time (``"oom"``: where the injected OOM fires;
+    None if it never did) and at which ``amb`` first recovered (``"retry"``)."""
+    import torch.distributed as dist
+
+    from fsdp_lab import sync_points
+
+    seen = []
+    clock = sync_points.register(lambda p, m: seen.append(time.perf_counter())
+                                 if p == point and dist.get_rank() == 1 else None, first=True)
+    recover = amb._recover
+    amb._recover = lambda: (recover(), marks.setdefault("retry", time.perf_counter()))
+    try:
+        yield
+    finally:
+        clock.remove()
+        amb._recover = recover
+        marks["oom"] = seen[skip] if seen[skip:] else None
 
 
 def plot_agreement_timeline(merged, oom_time: float, retry_time: float):

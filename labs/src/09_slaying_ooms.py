@@ -24,11 +24,12 @@ CELLS = [
     code("""
     %matplotlib inline
     import os, time
+    from contextlib import nullcontext
     import torch
     import matplotlib.pyplot as plt
     import ipywidgets as widgets
     import fsdp_lab
-    from fsdp_lab import collectives, sync_points
+    from fsdp_lab import collectives
     from fsdp_lab.automicrobatch import AutoMicrobatch, split_batch
     from fsdp_lab.oom import memory_budget, inject_oom
     from fsdp_lab.memory.tracker import MemoryTracker
@@ -147,7 +148,6 @@ CELLS = [
              ("optimizer_step", 0, None), ("allocation", 0, ("forward", 5)), ("allocation", 0, ("backward", 5))]
 
     def recover_at_each_point():
-        import torch.distributed as dist
         rows, timeline, marks = [], None, {}
         for point, skip, fail_at in CASES:
             model, opt = sharded_llama()
@@ -156,18 +156,11 @@ CELLS = [
                 tl.attach(model)                       # compute lanes: each block's forward and backward
                 amb = AutoMicrobatch(model, opt, B)
                 handle = inject_oom(point, rank=1, skip=skip) if fail_at is None else None
-                if point == "pre_backward":            # clock marks for the figure: the OOM and the retry
-                    seen = []
-                    clock = sync_points.register(lambda p, m: seen.append(time.perf_counter())
-                                                 if p == point and dist.get_rank() == 1 else None, first=True)
-                    recover = amb._recover
-                    amb._recover = lambda: (recover(), marks.setdefault("retry", time.perf_counter()))
-                result = amb.train_step(rank_batch(0))
+                # for the figure: the clock times of rank 1's OOM and of the retry
+                with lab09.clock_marks(amb, point, skip, marks) if point == "pre_backward" else nullcontext():
+                    result = amb.train_step(rank_batch(0))
                 if handle is not None:
                     handle.remove()
-                if point == "pre_backward":
-                    clock.remove()
-                    marks["oom"] = seen[skip] if seen[skip:] else None
                 amb.close()
             if point == "pre_backward":
                 timeline = tl
@@ -311,18 +304,19 @@ CELLS = [
     `torch.cuda.memory_stats()["num_alloc_retries"]` counts those failed calls that ended in a cache flush
     and retry. Each one synchronizes the device and empties the cache — steps get slow. Like Composer,
     `AutoMicrobatch` compares that count after each step with the one before; retries growing in
-    **2 consecutive steps** count as an OOM: the microbatch steps down for the next step and the sync hooks
-    come back. The streak is counted differently: Composer MAX-reduces a per-batch flag "some rank's count
-    grew" and counts consecutive batches with it set (the growth may come from different ranks); this
-    package counts each rank's own streak and MAX-reduces "my streak reached 2". (Composer also re-runs the
-    same batch with the smaller microbatch; this package steps down for the next one.)
+    **`THRASHING_STREAK` consecutive steps** (printed below) count as an OOM: the microbatch steps down for
+    the next step and the sync hooks come back. The streak is counted differently: Composer MAX-reduces a
+    per-batch flag "some rank's count grew" and counts consecutive batches with it set (the growth may come
+    from different ranks); this package counts each rank's own streak and MAX-reduces "my streak reached
+    `THRASHING_STREAK`". (Composer also re-runs the same batch with the smaller microbatch; this package
+    steps down for the next one.)
 
     Here the emulated allocator does the counting: `memory_budget(None, retry_above=...)` adds a retry each
     time an allocation takes the tracked total past a line, and `AutoMicrobatch` reads that count where it
     would read `num_alloc_retries`. The line sits between the peaks of a later step at microbatch 4 and 8
     measured in section 4; the output shows the count after each step and the microbatch each step used. Inside
     `AutoMicrobatch` the first step stays under the line (AdamW's state does not exist yet); from the second
-    step on, the whole batch crosses it, the count grows twice in a row, and the rule steps down to the next
+    step on, the whole batch crosses it, the count grows `THRASHING_STREAK` steps in a row, and the rule steps down to the next
     divisor (microbatch per step, printed), where the count stops growing:
     """),
     code("""
@@ -344,6 +338,8 @@ CELLS = [
             automicrobatch_module._alloc_retries = original
     print(f"retry line {line / MiB:.2f} MiB (peak of a step: microbatch 4 {GRID[2, 32, 4] / MiB:.2f}, "
           f"8 {GRID[2, 32, 8] / MiB:.2f} MiB)")
+    print(f"rule: retries growing in {automicrobatch_module.THRASHING_STREAK} consecutive steps count as an OOM; "
+          f"sync hooks go after {amb.stable_steps} clean steps")
     print("microbatch per step:", sizes, "| emulated retries after each step:", retries_seen)
     print("events:", [h["event"] for h in amb.history])
     """),
@@ -442,7 +438,7 @@ CELLS = [
     Write `agreement(oom, not_done)`, run on every rank: `oom` is 1 if this rank ran out of memory, `not_done`
     1 if it is still inside the batch. Return `(someone_oomed, all_done)`, the same on every rank, using
     **one** `collectives.all_reduce` (it takes `op="max"`) of a two-element int32 tensor. The check runs it on
-    2 ranks for all 16 combinations of flags and compares with the formula and with `fsdp_lab.oom`.
+    2 ranks for every combination of flags (the check prints how many) and compares with the formula and with `fsdp_lab.oom`.
     """),
     exercise("""
     def agreement(oom, not_done):
@@ -464,7 +460,7 @@ CELLS = [
     takes the largest divisor of the batch at most half the failed size. Write
     `next_microbatch(batch_size, failed, min_size)`: the largest divisor of `batch_size` that is at most half
     of `failed` and at least `min_size`, or `None` when there is none. The check compares it with
-    `AutoMicrobatch`'s rule for every batch size up to 24.
+    `AutoMicrobatch`'s rule for every small batch size (the check prints the range).
     """),
     exercise("""
     def next_microbatch(batch_size, failed, min_size=1):
@@ -490,8 +486,8 @@ CELLS = [
       clean, shared retry — whether the OOM came at a sync point or mid-allocation in forward or backward:
       recover FSDP state, step the microbatch down, rerun the same data.
     * Composer's hook is a pair of one-element all-reduces (MAX, then MIN); this package's is one two-element
-      MAX. Hooks go after 3 clean steps and come back after an OOM, an eval or thrashing (allocator retries
-      growing 2 steps in a row).
+      MAX. Hooks go after `stable_steps` clean steps and come back after an OOM, an eval or thrashing
+      (allocator retries growing `THRASHING_STREAK` steps in a row; both printed in section 5).
     * The checklist, measured: shard and offload attack states, checkpointing and microbatching attack
       activations, LoRA/QLoRA attack gradients, optimizer state and weights.
     """),
