@@ -99,10 +99,13 @@ CELLS = [
     low-rank adapters, their rank and alpha printed first) under FSDP2. Each rank reports its bytes by
     category at the moment of its step's peak, as its `MemoryTracker` saw them (each category's own
     maximum comes at other moments, so those would not add up to the peak), and its collectives on a
-    `Timeline`. The loss printed is the mean over both ranks (each rank's loss
-    is that of its half of the batch), all-reduced after the recorded step; it is checked against the
-    first loss of the one-process run above, which saw the whole batch. QLoRA's loss is not expected to
-    match it: its adapters start at zero, but its base weights are NF4-rounded.
+    `Timeline`. The step recorded is each model's first: AdamW creates its state inside `opt.step()` and
+    the tracker files it under `optimizer_state` when that step ends, so none shows at these peaks (each
+    printed with the last phase boundary before it); from the second step on, the step `compare()`
+    measures, the state is there for the whole step. The loss printed is the mean over both ranks (each
+    rank's loss is that of its half of the batch), all-reduced after the recorded step; it is checked
+    against the first loss of the one-process run above, which saw the whole batch. QLoRA's loss is not
+    expected to match it: its adapters start at zero, but its base weights are NF4-rounded.
     """),
     code("""
     def one_step(kind):
@@ -136,7 +139,8 @@ CELLS = [
         dist.all_reduce(mean_loss)
         mean_loss /= world
         comms = [(e.name, e.args.get("module"), e.bytes) for e in sorted(tl.comm_events(rank), key=lambda e: e.t_start)]
-        return {"peak": mt.peak(), "peak_total": mt.peak_total(), "timeline": tl, "comms": comms,
+        return {"peak": mt.peak(), "peak_total": mt.peak_total(), "peak_after": mt.result().peak_label,
+                "timeline": tl, "comms": comms,
                 "loss": mean_loss.item(), "nf4": nf4}
 
     KINDS = ("FSDP2", "FSDP1", "QLoRA + FSDP2")
@@ -148,7 +152,7 @@ CELLS = [
         gathers = [b for name, _, b in r0["comms"] if name == "all_gather"]
         print(f"{kind:14} loss ≈{r0['loss']:.4f} (mean over ranks) | all-gathers {len(gathers):2d} ({kib(sum(gathers))}) | "
               f"reduce-scatters {sum(n == 'reduce_scatter' for n, _, _ in r0['comms']):2d}")
-        print(f"   at the step's peak ({kib(r0['peak_total']).strip()}, rank 0):",
+        print(f"   at the step's peak ({kib(r0['peak_total']).strip()}, rank 0, after '{r0['peak_after']}'):",
               ", ".join(f"{k} {kib(v).strip()}" for k, v in r0["peak"].items() if v))
     for kind in ("FSDP2", "FSDP1"):
         print(f"{kind} loss equal to one process's first loss (≈{one_process[0]:.4f}) within 1e-5:",
