@@ -41,3 +41,33 @@ def test_phase_table_has_one_line_per_run():
     assert lines[0].startswith("run (ms, mean ± sd of 3 runs)") and lines[0].endswith("forward")
     assert lines[1].startswith("a") and lines[1].endswith("12.00 ±  2.00")
     assert lines[2].endswith("21.00 ±  1.00")
+
+
+def test_error_bars_draw_means_and_one_sd():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = TABLES.error_bars(["a", "b"], ["step_ms"], "title", height=2.5)
+    bars = fig.axes[0].patches
+    # step_ms of a: 10, 12, 14 (mean 12, sd 2); of b: 20, 21, 22 (mean 21, sd 1)
+    assert [bar.get_width() for bar in bars] == pytest.approx([12.0, 21.0])
+    assert fig.get_size_inches() == pytest.approx([10, 2.5])
+    assert fig.axes[0].get_title() == "title"
+    plt.close(fig)
+
+
+def test_optimizer_times_order_the_three_implementations(capsys):
+    from fsdp_lab.workshop import lab07
+
+    # optimizer seconds per rank; mean over ranks in ms: for_loop 30, foreach 20, fused 10 (fsdp2);
+    # for_loop 6, foreach 9, fused 3 (fsdp1)
+    ms = {"f2 loop": 30, "f2 foreach": 20, "f2 fused": 10, "f1 loop": 6, "f1 foreach": 9, "f1 fused": 3}
+    rows = [{"name": n, "phases": {0: {"optimizer": v / 1e3 - 0.001}, 1: {"optimizer": v / 1e3 + 0.001}}}
+            for n, v in ms.items()]
+    tables = Repeats([CompareResult(rows, timelines={}, configs={}, raw=[])] * 2)
+    lab07.print_optimizer_times(tables, list(ms), {"f2 foreach": "fsdp2 foreach"})
+    out = capsys.readouterr().out
+    assert "fsdp2 foreach" in out and "of 2 runs" in out
+    assert "fsdp2: fastest to slowest in this run: fused < foreach < for_loop (for_loop / fused = 3.0x)" in out
+    assert "fsdp1: fastest to slowest in this run: fused < for_loop < foreach (for_loop / fused = 2.0x)" in out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 
 from fsdp_lab.workshop.checking import checker, correct, is_placeholder, mistake, placeholder_left
+from fsdp_lab.workshop.repeats import spread
 
 ORDER_RUNS = {"none": ["fsdp2 block no-prefetch", "fsdp1 block none"], "pre": ["fsdp2 block", "fsdp1 block pre"],
               "post": ["fsdp1 block post"]}
@@ -90,6 +91,22 @@ def print_offload_verdict(repeats, table, names: list[str], whole_model: str) ->
         print(f"{fastest} was faster beyond the spread: splitting the model let enough communication hide "
               "under compute to pay for its extra collectives and for gathering its units again in backward, "
               "which the whole-model unit (the root, kept gathered) skips.")
+
+
+def print_optimizer_times(repeats, names: list[str], labels: dict[str, str]) -> None:
+    """Print each run's optimizer-step time (ms, mean ± sd over ``repeats``) and, per
+    implementation (the first three ``names`` FSDP2, the rest FSDP1: for_loop, foreach, fused),
+    the three from fastest to slowest by mean and the for_loop / fused ratio. ``labels`` renames
+    runs for display."""
+    print(f"{'run':22} {'optimizer ms (mean ± sd of ' + str(len(repeats)) + ' runs)':>36}")
+    for n in names:
+        print(f"{labels.get(n, n):22} {spread(repeats.measured(n, 'optimizer')):>36}")
+    for impl, group in (("fsdp2", names[:3]), ("fsdp1", names[3:])):
+        mean_ms = {kind: statistics.mean(repeats.measured(n, "optimizer"))
+                   for kind, n in zip(("for_loop", "foreach", "fused"), group)}
+        order = sorted(mean_ms, key=mean_ms.get)
+        print(f"{impl}: fastest to slowest in this run: {' < '.join(order)} "
+              f"(for_loop / fused = {mean_ms['for_loop'] / mean_ms['fused']:.1f}x)")
 
 
 def print_optimizer_peaks(repeats, names: list[str], labels: dict[str, str]) -> None:

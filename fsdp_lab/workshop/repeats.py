@@ -50,9 +50,12 @@ class Repeats(list):
             lines.append(f"{name:28} " + " ".join(f"{spread(self.measured(name, p)):>15}" for p in phases))
         return "\n".join(lines)
 
-    def error_bars(self, names: list[str], keys: list[str], ax, title: str):
-        """Horizontal bars on the matplotlib Axes ``ax``: per run, one bar per key (mean over
-        the tables) with a line of ± one standard deviation. Returns ``ax``."""
+    def error_bars(self, names: list[str], keys: list[str], title: str, height: float = 3.0):
+        """A matplotlib Figure, 10 inches wide and ``height`` inches high, of horizontal bars: per
+        run, one bar per key (mean over the tables) with a line of ± one standard deviation."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, height))
         width = 0.8 / len(keys)
         for j, key in enumerate(keys):
             values = [self.measured(n, key) for n in names]
@@ -64,4 +67,5 @@ class Repeats(list):
         ax.set_xlabel(f"ms per step (mean over ranks; bar = mean, line = ± 1 sd over {len(self)} runs)")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.set_title(title)
-        return ax
+        fig.tight_layout()
+        return fig

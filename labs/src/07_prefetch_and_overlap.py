@@ -25,7 +25,7 @@ CELLS = [
     """),
     code("""
     %matplotlib inline
-    import os, statistics
+    import os
     import matplotlib.pyplot as plt
     import ipywidgets as widgets
     import torch
@@ -44,16 +44,16 @@ CELLS = [
     ## 1. The idea on one process: what the wrapping implies
 
     Every `fully_shard` call is one *unit*: one all-gather before it computes, one reduce-scatter of its
-    gradients. With one unit per block of our Llama (L blocks; the cell prints L) plus the root
-    (embeddings, final norm, output), a training step needs
+    gradients. With one unit per block of our Llama (L blocks; the cell prints L) plus the root (embeddings,
+    final norm, output), a training step needs
 
     * forward: the root once, then each block: 1 + L all-gathers;
-    * backward: each block again (it was freed after forward; the root was kept, it is needed at once):
-      L more all-gathers;
+    * backward: each block again (it was freed after forward; the root was kept, it is needed at once): L more
+      all-gathers;
     * one reduce-scatter per unit: 1 + L.
 
-    An all-gather of a unit moves the unit's full parameter bytes (nccl-tests counts the gathered size).
-    Work the numbers out on one process, before running anything:
+    An all-gather of a unit moves the unit's full parameter bytes (nccl-tests counts the gathered size). Work
+    the numbers out on one process, before running anything:
     """),
     code("""
     model = Llama("cpu", seed=0)
@@ -70,12 +70,11 @@ CELLS = [
     md("""
     ## 2. Run every configuration at once
 
-    `fsdp_lab.compare` builds the same model from the same seed for each configuration, trains it on the
-    same batches and records the last step's timeline on every rank — all configurations in one launch of
-    2 ranks. Each configuration trains three steps: the first warms up (AdamW creates its state),
-    MemoryTracker measures the second, the first step that repeats, and the third is timed with its
-    timeline recorded. The table has the counts and bytes of one step, the peak of gathered parameters
-    and the loss.
+    `fsdp_lab.compare` builds the same model from the same seed for each configuration, trains it on the same
+    batches and records the last step's timeline on every rank — all configurations in one launch of 2 ranks.
+    Each configuration trains three steps: the first warms up (AdamW creates its state), MemoryTracker
+    measures the second, the first step that repeats, and the third is timed with its timeline recorded. The
+    table has the counts and bytes of one step, the peak of gathered parameters and the loss.
     """),
     code("""
     RUNS = [
@@ -104,9 +103,8 @@ CELLS = [
     """),
     md("""
     The counts, bytes, memory peaks and losses are deterministic (checked when this notebook is tested;
-    communication buffers are given back on the training thread, not whenever gloo's worker lets go of
-    them); times are not. Times come later, measured several times, in cells whose output is not
-    compared.
+    communication buffers are given back on the training thread, not whenever gloo's worker lets go of them);
+    times are not. Times come later, measured several times, in cells whose output is not compared.
     """),
     code("""
     print(table.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "reduced_mib",
@@ -116,10 +114,10 @@ CELLS = [
     ## 3. Reading a timeline
 
     One row per (rank, lane): compute (forward, backward, optimizer) and comm (all-gathers and
-    reduce-scatters). Each comm event carries the unit it serves (`args["module"]`), so the order can be
-    read off as text too. In backward, with FSDP2's implicit prefetch, block *i−1*'s all-gather is issued
-    before block *i* computes its gradients; without prefetch it waits until block *i* is done and its
-    reduce-scatter is issued.
+    reduce-scatters). Each comm event carries the unit it serves (`args["module"]`), so the order can be read
+    off as text too. In backward, with FSDP2's implicit prefetch, block *i−1*'s all-gather is issued before
+    block *i* computes its gradients; without prefetch it waits until block *i* is done and its reduce-scatter
+    is issued.
     """),
     code("""
     def sequence(name, phase="backward"):
@@ -140,10 +138,10 @@ CELLS = [
     print(table.format(["name", "overlap", "step_ms"], names=["fsdp2 block", "fsdp2 block synchronous"]))
     """, tags=["nbval-ignore-output"]),
     md("""
-    The synchronous run (`fsdp_lab.fsdp2.param_group.set_synchronous(True)`, the `synchronous=True`
-    setting) waits for every collective as soon as it is issued: the same collectives, the same bytes, the
-    same loss — and an overlap of exactly 0, because nothing runs while a collective is in flight. The
-    figure's titles and the table under it come from the same run (the `table` above).
+    The synchronous run (`fsdp_lab.fsdp2.param_group.set_synchronous(True)`, the `synchronous=True` setting)
+    waits for every collective as soon as it is issued: the same collectives, the same bytes, the same loss —
+    and an overlap of exactly 0, because nothing runs while a collective is in flight. The figure's titles and
+    the table under it come from the same run (the `table` above).
     """),
     code("""
     sync, overlapped = table.row("fsdp2 block synchronous"), table.row("fsdp2 block")
@@ -154,29 +152,28 @@ CELLS = [
     md("""
     **On a GPU the overlap comes from elsewhere.** Here gloo runs each collective on CPU threads while the
     main thread computes. On a GPU, FSDP2 issues the all-gathers on their own CUDA streams (copy-in and
-    all-gather streams, separate from compute) and the CPU *runs ahead* of the GPU: the next unit's
-    all-gather is queued while the GPU is still computing the current one, which is how forward overlaps
-    even with no explicit prefetch (PyTorch's `set_modules_to_forward_prefetch` docs: a singleton list of
-    the next module "gives the same all-gather overlap behavior as the default overlap behavior, except
-    the prefetched all-gather is issued earlier from the CPU"). A CPU run on gloo executes each op when it
-    is issued, so it cannot show that; what it shows faithfully is the *order* in which work is issued.
+    all-gather streams, separate from compute) and the CPU *runs ahead* of the GPU: the next unit's all-gather
+    is queued while the GPU is still computing the current one, which is how forward overlaps even with no
+    explicit prefetch (PyTorch's `set_modules_to_forward_prefetch` docs: a singleton list of the next module
+    "gives the same all-gather overlap behavior as the default overlap behavior, except the prefetched
+    all-gather is issued earlier from the CPU"). A CPU run on gloo executes each op when it is issued, so it
+    cannot show that; what it shows faithfully is the *order* in which work is issued.
 
     ## 4. What prefetching buys and what it costs
 
     FSDP1 has three backward settings: `BACKWARD_PRE` gathers the next unit *before* the current unit's
-    gradient computation (most overlap), `BACKWARD_POST` *after* it (before the reduce-scatter), `None`
-    never early. `forward_prefetch=True` does the same in forward. FSDP2 prefetches the next unit in
-    backward implicitly; `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` make it
-    explicit (the `explicit` run prefetches one block ahead in both directions).
+    gradient computation (most overlap), `BACKWARD_POST` *after* it (before the reduce-scatter), `None` never
+    early. `forward_prefetch=True` does the same in forward. FSDP2 prefetches the next unit in backward
+    implicitly; `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` make it explicit (the
+    `explicit` run prefetches one block ahead in both directions).
 
-    The cost depends on when the next unit is gathered. `BACKWARD_PRE` and FSDP2's prefetch gather it
-    while the current unit is still held, so one more unit is gathered at the peak. `BACKWARD_POST`
-    frees the current unit as soon as its gradients are computed and only then issues the next
-    all-gather (`_post_backward` in `fsdp_lab/fsdp1/runtime.py`): no extra unit at the peak. PyTorch's
-    documentation adds that it overlaps less on a GPU, because that all-gather cannot run under the
-    current unit's gradient computation; on gloo, where each op runs when it is issued, the overlap the
-    explorer below prints can come out the other way. The order of events shows where each setting issues
-    the all-gather:
+    The cost depends on when the next unit is gathered. `BACKWARD_PRE` and FSDP2's prefetch gather it while
+    the current unit is still held, so one more unit is gathered at the peak. `BACKWARD_POST` frees the
+    current unit as soon as its gradients are computed and only then issues the next all-gather
+    (`_post_backward` in `fsdp_lab/fsdp1/runtime.py`): no extra unit at the peak. PyTorch's documentation adds
+    that it overlaps less on a GPU, because that all-gather cannot run under the current unit's gradient
+    computation; on gloo, where each op runs when it is issued, the overlap the explorer below prints can come
+    out the other way. The order of events shows where each setting issues the all-gather:
     """),
     code("""
     for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none"]:
@@ -197,24 +194,23 @@ CELLS = [
     """),
     md("""
     `BACKWARD_PRE` holds two blocks at its peak (this one and the prefetched next one); `BACKWARD_POST` and
-    `None` one each, `BACKWARD_POST` because it frees this block before gathering the next. FSDP2's
-    prefetched all-gather lands in its comm buffer (`comm_buffers`) and becomes `unsharded_params` only
-    when waited for, so its cost shows in the last column (compare `fsdp2 block` with
-    `fsdp2 block no-prefetch`, the last line) and in the peak total — and in the synchronous run above, which waits for
-    the prefetch at once: two blocks of `unsharded_params`.
-    Keeping everything gathered (`reshard_after_forward=False`) holds every block but saves one
-    all-gather per block per step.
+    `None` one each, `BACKWARD_POST` because it frees this block before gathering the next. FSDP2's prefetched
+    all-gather lands in its comm buffer (`comm_buffers`) and becomes `unsharded_params` only when waited for,
+    so its cost shows in the last column (compare `fsdp2 block` with `fsdp2 block no-prefetch`, the last line)
+    and in the peak total — and in the synchronous run above, which waits for the prefetch at once: two blocks
+    of `unsharded_params`. Keeping everything gathered (`reshard_after_forward=False`) holds every block but
+    saves one all-gather per block per step.
 
     ## 5. Exercise: the backward order of each prefetch setting
 
-    Write `backward_order(forward, prefetch)`: `forward` is the list of blocks in the order their forward
-    ran (read from the timeline below); return the backward events of those blocks, in order, as
-    `(kind, block)` pairs — `("AG", b)` its all-gather, `("bwd", b)` its gradient computation, `("RS", b)`
-    its reduce-scatter — for `prefetch` = `"none"`, `"pre"` (FSDP1 `BACKWARD_PRE`, FSDP2's default) or
-    `"post"` (FSDP1 `BACKWARD_POST`). Backward visits the blocks in reverse; the first block's all-gather
-    always comes first; the next block's all-gather is issued before this block's `bwd` (`pre`), right
-    after it (`post`), or after this block's reduce-scatter (`none`). The check compares with the events
-    fsdp_lab's FSDP1 and FSDP2 recorded in the table's timelines.
+    Write `backward_order(forward, prefetch)`: `forward` is the list of blocks in the order their forward ran
+    (read from the timeline below); return the backward events of those blocks, in order, as `(kind, block)`
+    pairs — `("AG", b)` its all-gather, `("bwd", b)` its gradient computation, `("RS", b)` its reduce-scatter
+    — for `prefetch` = `"none"`, `"pre"` (FSDP1 `BACKWARD_PRE`, FSDP2's default) or `"post"` (FSDP1
+    `BACKWARD_POST`). Backward visits the blocks in reverse; the first block's all-gather always comes first;
+    the next block's all-gather is issued before this block's `bwd` (`pre`), right after it (`post`), or after
+    this block's reduce-scatter (`none`). The check compares with the events fsdp_lab's FSDP1 and FSDP2
+    recorded in the table's timelines.
     """),
     code("""
     forward = lab07.forward_order(table.timelines["fsdp2 block"])
@@ -245,11 +241,11 @@ CELLS = [
     md("""
     ## 6. Wrapping granularity
 
-    Fewer, bigger units mean fewer, bigger collectives — and less to overlap with: with the whole model
-    as one unit, the only all-gather comes before any compute and the only reduce-scatter after all of it.
-    That unit is also the root, which is not freed after forward (it is needed at once in backward), so
-    nothing is gathered again in backward: the whole-model wrapping gathers fewer bytes per step as well
-    (the `AG MiB` column).
+    Fewer, bigger units mean fewer, bigger collectives — and less to overlap with: with the whole model as one
+    unit, the only all-gather comes before any compute and the only reduce-scatter after all of it. That unit
+    is also the root, which is not freed after forward (it is needed at once in backward), so nothing is
+    gathered again in backward: the whole-model wrapping gathers fewer bytes per step as well (the `AG MiB`
+    column).
     """),
     code("""
     print(table.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "peak_unsharded_mib"],
@@ -258,12 +254,12 @@ CELLS = [
     md("""
     ## 7. Exercise: collectives and bytes of a wrapping
 
-    Write `collectives_per_step(root_bytes, unit_bytes, reshard_after_forward)`: `root_bytes` is the
-    root unit's parameter bytes, `unit_bytes` the list of the other units' bytes (empty when the whole
-    model is one unit). Return a dict with `all_gathers`, `reduce_scatters`, `gathered_bytes`
-    (all-gather output sizes summed) and `reduced_bytes` (reduce-scatter input sizes summed) of one
-    training step. The check feeds it the units of four wrappings and compares with what fsdp_lab's FSDP2
-    recorded for them (`fsdp2 block`, `two_blocks`, `model`, `block keep-gathered`).
+    Write `collectives_per_step(root_bytes, unit_bytes, reshard_after_forward)`: `root_bytes` is the root
+    unit's parameter bytes, `unit_bytes` the list of the other units' bytes (empty when the whole model is one
+    unit). Return a dict with `all_gathers`, `reduce_scatters`, `gathered_bytes` (all-gather output sizes
+    summed) and `reduced_bytes` (reduce-scatter input sizes summed) of one training step. The check feeds it
+    the units of four wrappings and compares with what fsdp_lab's FSDP2 recorded for them (`fsdp2 block`,
+    `two_blocks`, `model`, `block keep-gathered`).
     """),
     exercise("""
     def collectives_per_step(root_bytes, unit_bytes, reshard_after_forward):
@@ -283,15 +279,15 @@ CELLS = [
     ## 8. Times vary: measure several times
 
     Everything so far was counted. Times differ from run to run (other processes, the scheduler, gloo's
-    threads), so the cells below repeat the timed runs on fresh ranks and show the spread; every sentence
-    that depends on a time is printed from those measurements, in cells whose output is not compared
-    when the notebook is tested.
+    threads), so the cells below repeat the timed runs on fresh ranks and show the spread; every sentence that
+    depends on a time is printed from those measurements, in cells whose output is not compared when the
+    notebook is tested.
 
     **CPU offload** (sharded parameters, gradients and optimizer step on the host) makes every all-gather
     start with a host-to-device copy and every reduce-scatter end with a device-to-host copy (PyTorch's
-    `CPUOffloadPolicy`). On a CPU-only machine the "device" is the host, so those copies cost almost
-    nothing here: what the CPU run can show is how the wrapping changes the number of collectives and the
-    time that is not hidden under compute.
+    `CPUOffloadPolicy`). On a CPU-only machine the "device" is the host, so those copies cost almost nothing
+    here: what the CPU run can show is how the wrapping changes the number of collectives and the time that is
+    not hidden under compute.
     """),
     code("""
     REPEATS = 3
@@ -306,17 +302,15 @@ CELLS = [
 
     OFFLOAD = ["fsdp2 block offload", "fsdp2 two_blocks offload", "fsdp2 model offload"]
     print(repeats.phase_table(OFFLOAD))
-    fig, ax = plt.subplots(figsize=(10, 3.2))
-    repeats.error_bars(OFFLOAD, ["window", "exposed_comm", "idle"], ax, "CPU offload, by wrapping")
-    fig.tight_layout()
+    fig = repeats.error_bars(OFFLOAD, ["window", "exposed_comm", "idle"], "CPU offload, by wrapping", height=3.2)
     files.savefig(fig, "offload_granularity.png", dpi=90, bbox_inches="tight")
     plt.show()
 
     lab07.print_offload_verdict(repeats, table, OFFLOAD, whole_model="fsdp2 model offload")
     """, tags=["nbval-ignore-output"]),
     md("""
-    What does not vary: every repeat issued the same collectives with the same bytes and reached the
-    same loss; the offload runs differ in how many collectives they issue and how many bytes they gather.
+    What does not vary: every repeat issued the same collectives with the same bytes and reached the same
+    loss; the offload runs differ in how many collectives they issue and how many bytes they gather.
     """),
     code("""
     keys = ["all_gathers", "reduce_scatters", "gathered_bytes", "reduced_bytes", "loss"]
@@ -326,11 +320,11 @@ CELLS = [
     """),
     md("""
     On a GPU, per-block units let the copies and collectives of one block run under the previous block's
-    compute, while a whole-model unit must gather everything before any compute — and holds the whole
-    model gathered. That is a claim about GPUs, which the CPU numbers above neither confirm nor refute.
-    For QLoRA the other direction pays too: **bigger groups**, fewer and larger all-gathers. FSDP2 makes
-    that possible because it gathers a block's NF4-packed weights and its bf16/fp32 parameters in **one**
-    group (as bytes, through a `uint8` view, lab 05), where FSDP1 needs one flat parameter per dtype.
+    compute, while a whole-model unit must gather everything before any compute — and holds the whole model
+    gathered. That is a claim about GPUs, which the CPU numbers above neither confirm nor refute. For QLoRA
+    the other direction pays too: **bigger groups**, fewer and larger all-gathers. FSDP2 makes that possible
+    because it gathers a block's NF4-packed weights and its bf16/fp32 parameters in **one** group (as bytes,
+    through a `uint8` view, lab 05), where FSDP1 needs one flat parameter per dtype.
 
     ## 9. FSDP1 vs FSDP2, as an investigation
 
@@ -348,8 +342,8 @@ CELLS = [
     """),
     md("""
     Forcing it with `allow_mismatch=True` gives numbers that look like a verdict: FSDP1 issues far fewer
-    all-gathers and moves fewer bytes (the table below). None of that is about flat versus per-parameter sharding — it is a
-    smaller model and a coarser wrapping.
+    all-gathers and moves fewer bytes (the table below). None of that is about flat versus per-parameter
+    sharding — it is a smaller model and a coarser wrapping.
     """),
     code("""
     unfair = compare(UNFAIR, allow_mismatch=True)
@@ -358,8 +352,8 @@ CELLS = [
     """),
     md("""
     **Fair.** Same model, same data, same seed, same wrapping (one unit per block), each with its default
-    prefetch. Now the collectives are identical — the same count and the same bytes — and so is the loss.
-    What is left to compare is *where time goes*.
+    prefetch. Now the collectives are identical — the same count and the same bytes — and so is the loss. What
+    is left to compare is *where time goes*.
     """),
     code("""
     FAIR = ["fsdp1 block pre", "fsdp2 block"]
@@ -372,15 +366,14 @@ CELLS = [
           comm_order(FAIR[0]) == comm_order(FAIR[1]))
     """),
     md("""
-    **Per phase.** Forward, backward, optimizer step, comm that was not hidden (exposed), and idle time,
-    per rank and averaged, over the repeated runs. A phase-by-phase table like this is where an
-    implementation's remaining gaps show: a slower optimizer step, more exposed communication, idle time.
+    **Per phase.** Forward, backward, optimizer step, comm that was not hidden (exposed), and idle time, per
+    rank and averaged, over the repeated runs. A phase-by-phase table like this is where an implementation's
+    remaining gaps show: a slower optimizer step, more exposed communication, idle time.
     """),
     code("""
     print(repeats.phase_table(FAIR))
-    fig, ax = plt.subplots(figsize=(10, 2.8))
-    repeats.error_bars(FAIR, ["forward", "backward", "optimizer", "exposed_comm"], ax, "FSDP1 vs FSDP2, same model and wrapping")
-    fig.tight_layout()
+    fig = repeats.error_bars(FAIR, ["forward", "backward", "optimizer", "exposed_comm"],
+                             "FSDP1 vs FSDP2, same model and wrapping", height=2.8)
     files.savefig(fig, "fsdp1_vs_fsdp2_phases.png", dpi=90, bbox_inches="tight")
     plt.show()
     for phase in ["backward", "optimizer", "exposed_comm"]:
@@ -392,13 +385,12 @@ CELLS = [
     ## 10. The optimizer step: per-tensor dispatch
 
     FSDP2's parameters are DTensors: every `torch` op on them goes through DTensor's dispatch (sharding
-    propagation) before it reaches the local shard. A per-parameter AdamW loop pays that for every op of
-    every parameter; `foreach` batches the parameters into a few multi-tensor ops; `fused` does the update
-    in fused multi-tensor kernels. fsdp_lab's FSDP1 gives the optimizer the original parameters as plain
-    tensors (views into its flat shard, PyTorch's `use_orig_params=True`; with `use_orig_params=False`
-    PyTorch's optimizer would see one `FlatParameter` per unit instead). With the original parameters both
-    implementations give the optimizer the model's own parameter tensors, as many as the unwrapped model
-    has:
+    propagation) before it reaches the local shard. A per-parameter AdamW loop pays that for every op of every
+    parameter; `foreach` batches the parameters into a few multi-tensor ops; `fused` does the update in fused
+    multi-tensor kernels. fsdp_lab's FSDP1 gives the optimizer the original parameters as plain tensors (views
+    into its flat shard, PyTorch's `use_orig_params=True`; with `use_orig_params=False` PyTorch's optimizer
+    would see one `FlatParameter` per unit instead). With the original parameters both implementations give
+    the optimizer the model's own parameter tensors, as many as the unwrapped model has:
     """),
     code("""
     print("parameter tensors of the unwrapped model:", len(list(model.parameters())))
@@ -409,29 +401,20 @@ CELLS = [
     """),
     code("""
     LABELS = {"fsdp2 block": "fsdp2 foreach", "fsdp1 block pre": "fsdp1 foreach"}
-    print(f"{'run':22} {'optimizer ms (mean ± sd of ' + str(REPEATS) + ' runs)':>36}")
-    for n in names:
-        print(f"{LABELS.get(n, n):22} {spread(measured(n, 'optimizer')):>36}")
-    for impl in ("fsdp2", "fsdp1"):
-        runs = {k: statistics.mean(measured(n, "optimizer")) for k, n in
-                [("for_loop", f"{impl} block for_loop"), ("foreach", "fsdp2 block" if impl == "fsdp2" else "fsdp1 block pre"),
-                 ("fused", f"{impl} block fused")]}
-        order = sorted(runs, key=runs.get)
-        print(f"{impl}: fastest to slowest in this run: {' < '.join(order)} "
-              f"(for_loop / fused = {runs['for_loop'] / runs['fused']:.1f}x)")
+    lab07.print_optimizer_times(repeats, names, LABELS)
     print()
     lab07.print_optimizer_peaks(repeats, names, LABELS)
     """, tags=["nbval-ignore-output"]),
     md("""
     The printed times say which implementation was fastest in this run and by how much; on FSDP2 the
     per-parameter loop pays DTensor dispatch for every op of every parameter. The peaks are those of each
-    run's second step, the first one that repeats: AdamW created its state in the first step, so the
-    state is held from the start of this one, through forward and backward. Printed beside each peak is
-    the last phase boundary before it. Forward and backward are the same for all three implementations,
-    so a peak that falls there cannot tell them apart; what each allocates in `optimizer.step()` (the
-    foreach and fused kernels work on many tensors at once) shows in the peak only when the peak falls
-    inside the step. (The repeats show whether the peaks themselves vary from run to run: they include
-    communication buffers whose lifetime depends on when gloo finishes.)
+    run's second step, the first one that repeats: AdamW created its state in the first step, so the state is
+    held from the start of this one, through forward and backward. Printed beside each peak is the last phase
+    boundary before it. Forward and backward are the same for all three implementations, so a peak that falls
+    there cannot tell them apart; what each allocates in `optimizer.step()` (the foreach and fused kernels
+    work on many tensors at once) shows in the peak only when the peak falls inside the step. (The repeats
+    show whether the peaks themselves vary from run to run: they include communication buffers whose lifetime
+    depends on when gloo finishes.)
 
     ## 11. Explore: two configurations, one above the other
 
@@ -463,11 +446,11 @@ CELLS = [
     md("""
     ## 12. Exercise: the overlap metric
 
-    Write `overlap_fraction(comm, compute)`: given the (start, end) intervals of one rank's collectives and
-    of its compute, return the fraction of comm time during which some compute was also running. Careful:
-    compute spans nest (a block inside the model) and collectives can run concurrently — count each
-    instant once (merge each side into a union of intervals first). Return 0.0 without comm. The check
-    compares with `Timeline.overlap()` on every timeline of the table.
+    Write `overlap_fraction(comm, compute)`: given the (start, end) intervals of one rank's collectives and of
+    its compute, return the fraction of comm time during which some compute was also running. Careful: compute
+    spans nest (a block inside the model) and collectives can run concurrently — count each instant once
+    (merge each side into a union of intervals first). Return 0.0 without comm. The check compares with
+    `Timeline.overlap()` on every timeline of the table.
     """),
     exercise("""
     def overlap_fraction(comm, compute):
@@ -496,17 +479,17 @@ CELLS = [
     * A timeline's comm events, labelled with their unit, show the order of all-gathers and reduce-scatters;
       their number and bytes follow from the wrapping alone (root + 2 per unit that reshards, 1 reduce-scatter
       per unit).
-    * Prefetching moves an all-gather earlier so it can run under compute. `BACKWARD_PRE` and FSDP2's
-      prefetch pay with one more unit gathered at the peak; `BACKWARD_POST` frees the current unit first,
-      so it costs no extra unit (on GPUs, PyTorch's documentation says, it overlaps less). A synchronous run has the same
+    * Prefetching moves an all-gather earlier so it can run under compute. `BACKWARD_PRE` and FSDP2's prefetch
+      pay with one more unit gathered at the peak; `BACKWARD_POST` frees the current unit first, so it costs
+      no extra unit (on GPUs, PyTorch's documentation says, it overlaps less). A synchronous run has the same
       collectives and an overlap of exactly 0. On GPUs, FSDP2's forward overlap comes from the CPU running
       ahead onto separate streams.
-    * Coarser wrapping: fewer, bigger collectives and less to hide them under; the whole model as one unit
-      is the root, kept gathered for backward, so it gathers fewer bytes too. On CPU, the repeated
-      measurements above say which won here.
+    * Coarser wrapping: fewer, bigger collectives and less to hide them under; the whole model as one unit is
+      the root, kept gathered for backward, so it gathers fewer bytes too. On CPU, the repeated measurements
+      above say which won here.
     * Compare implementations only on the same model, data, seed and wrapping — `compare` refuses anything
-      else unless told to — then look phase by phase, over repeated runs, and call a difference real only
-      when it is larger than the spread.
+      else unless told to — then look phase by phase, over repeated runs, and call a difference real only when
+      it is larger than the spread.
 
     Read next: `docs/overlap.md`, `fsdp_lab/compare.py`, and `fsdp_lab/fsdp2/fully_shard.py` (prefetch).
     """),
