@@ -47,9 +47,9 @@ CELLS = [
     md("""
     ## 1. Why 4 bits
 
-    Fine-tuning only small adapters means the base weights are read, never updated: they need no
-    gradients and no optimizer state, only storage. For Llama-2-7B that storage decides whether the
-    model fits on a consumer GPU at all.
+    Fine-tuning only small adapters means the base weights are read, never updated: they need no gradients and
+    no optimizer state, only storage. For Llama-2-7B that storage decides whether the model fits on a consumer
+    GPU at all.
     """),
     code("""
     cfg = LlamaConfig.from_name("llama2-7b")
@@ -61,13 +61,13 @@ CELLS = [
     md("""
     ## 2. The code book from normal quantiles
 
-    Trained weights are roughly normal. NF4 spaces its 16 code values at quantiles of N(0, 1): dense
-    near 0, where most weights are, and sparse in the tails. They are 8 positive values and 7 negative
-    ones plus an exact 0, divided by the largest so the ends are ±1. `build_nf4_codebook` derives them;
-    the stored table `NF4_CODEBOOK` is the one bitsandbytes uses (torchao stores it rounded to 4 decimals). Quantile spacing does not
-    make the codes equally used: each block of 64 weights is divided by its own absmax, so its largest
-    value always lands on ±1 and the others crowd toward 0. The cell counts how often each code is used
-    for normal weights: the codes near 0 most, the two ends least.
+    Trained weights are roughly normal. NF4 spaces its 16 code values at quantiles of N(0, 1): dense near 0,
+    where most weights are, and sparse in the tails. They are 8 positive values and 7 negative ones plus an
+    exact 0, divided by the largest so the ends are ±1. `build_nf4_codebook` derives them; the stored table
+    `NF4_CODEBOOK` is the one bitsandbytes uses (torchao stores it rounded to 4 decimals). Quantile spacing
+    does not make the codes equally used: each block of 64 weights is divided by its own absmax, so its
+    largest value always lands on ±1 and the others crowd toward 0. The cell counts how often each code is
+    used for normal weights: the codes near 0 most, the two ends least.
     """),
     code("""
     derived = build_nf4_codebook()
@@ -85,10 +85,9 @@ CELLS = [
     md("""
     ## 3. Quantize a block by hand, then with the library
 
-    A block of 64 values is divided by its absolute maximum, each value replaced by the index of the
-    nearest code. Dequantizing multiplies the code value by the block's scale. (The argmin of distances
-    below is fine for this block, which holds no value exactly halfway between two codes; section 10
-    shows where it is not.)
+    A block of 64 values is divided by its absolute maximum, each value replaced by the index of the nearest
+    code. Dequantizing multiplies the code value by the block's scale. (The argmin of distances below is fine
+    for this block, which holds no value exactly halfway between two codes; section 10 shows where it is not.)
     """),
     code("""
     torch.manual_seed(0)
@@ -119,10 +118,9 @@ CELLS = [
     md("""
     ## 4. Double quantization: 4.5 → ~4.127 bits per parameter
 
-    One float32 scale per 64 weights costs 32/64 = 0.5 bit per weight. Double quantization stores the
-    scales as int8 (after subtracting their mean) with one float32 factor per 256 scales:
-    8/64 + 32/(64·256) ≈ 0.127 bit. We use torchao's linear int8 scheme (bitsandbytes uses a dynamic
-    8-bit code; see docs/qlora.md).
+    One float32 scale per 64 weights costs 32/64 = 0.5 bit per weight. Double quantization stores the scales
+    as int8 (after subtracting their mean) with one float32 factor per 256 scales: 8/64 + 32/(64·256) ≈ 0.127
+    bit. We use torchao's linear int8 scheme (bitsandbytes uses a dynamic 8-bit code; see docs/qlora.md).
     """),
     code("""
     torch.manual_seed(0)
@@ -138,12 +136,12 @@ CELLS = [
     md("""
     ## 4b. Dequantization, compiled
 
-    Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up
-    in the 16-entry code book, multiply by its block's absmax, cast. Eagerly that is several kernels and
+    Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
+    the 16-entry code book, multiply by its block's absmax, cast. Eagerly that is several kernels and
     full-size temporaries; `torch.compile` fuses them into one loop. It works on CPU too (inductor writes
-    C++), where the compiled loop only about matches the eager gather form; on GPUs, where each eager
-    kernel launch and temporary costs more, fusing pays more. The compiled function must give the same
-    values, bit for bit; the times are this machine's and are not compared.
+    C++), where the compiled loop only about matches the eager gather form; on GPUs, where each eager kernel
+    launch and temporary costs more, fusing pays more. The compiled function must give the same values, bit
+    for bit; the times are this machine's and are not compared.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -168,11 +166,11 @@ CELLS = [
     md("""
     ## 5. What a tensor subclass sees
 
-    `NF4Tensor` reports the shape and dtype of the float weight it stands for (below: (32, 64), float32)
-    but holds only bytes. `F.linear` on it is
-    caught by `__torch_function__` and becomes dequantize-then-matmul (no weight gradient). Everything
-    else reaches `__torch_dispatch__` as aten ops: the logging mode below prints which ops an NF4
-    weight receives when it is detached, cloned and moved, and what happens for an op it does not support.
+    `NF4Tensor` reports the shape and dtype of the float weight it stands for (below: (32, 64), float32) but
+    holds only bytes. `F.linear` on it is caught by `__torch_function__` and becomes dequantize-then-matmul
+    (no weight gradient). Everything else reaches `__torch_dispatch__` as aten ops: the logging mode below
+    prints which ops an NF4 weight receives when it is detached, cloned and moved, and what happens for an op
+    it does not support.
     """),
     code("""
     class ShowOps(TorchDispatchMode):
@@ -201,8 +199,8 @@ CELLS = [
     md("""
     ## 6. LoRA on a linear
 
-    `LoRALinear` computes `x Wᵀ + (alpha/r) · x Aᵀ Bᵀ` with W frozen (here NF4) and only A (r × in) and
-    B (out × r) trained. B starts at zero, so wrapping changes nothing until the first step.
+    `LoRALinear` computes `x Wᵀ + (alpha/r) · x Aᵀ Bᵀ` with W frozen (here NF4) and only A (r × in) and B (out
+    × r) trained. B starts at zero, so wrapping changes nothing until the first step.
     """),
     code("""
     torch.manual_seed(0)
@@ -245,9 +243,9 @@ CELLS = [
     md("""
     ## 7. QLoRA under FSDP2 on 2 ranks
 
-    The CPU Llama (2 blocks), every block linear NF4 with rank-8 adapters, one `fully_shard` group per
-    block. Each rank holds its whole blocks of packed codes (see docs/qlora.md); the all-gather moves
-    those bytes, not floats. We record step 2 with the `MemoryTracker` and the `Timeline`.
+    The CPU Llama (2 blocks), every block linear NF4 with rank-8 adapters, one `fully_shard` group per block.
+    Each rank holds its whole blocks of packed codes (see docs/qlora.md); the all-gather moves those bytes,
+    not floats. We record step 2 with the `MemoryTracker` and the `Timeline`.
     """),
     code("""
     def qlora_step(steps=3):
@@ -322,9 +320,9 @@ CELLS = [
     md("""
     ### Frozen parameters are resharded too
 
-    The NF4 weights need no gradient, but they are still freed after forward and gathered again in
-    backward (each block is gathered twice per step), and freed again after backward: nothing stays
-    gathered between steps. Reduce-scatters carry only the adapters' gradients.
+    The NF4 weights need no gradient, but they are still freed after forward and gathered again in backward
+    (each block is gathered twice per step), and freed again after backward: nothing stays gathered between
+    steps. Reduce-scatters carry only the adapters' gradients.
     """),
     code("""
     from collections import Counter
@@ -341,9 +339,9 @@ CELLS = [
     md("""
     ### The same model under FSDP1
 
-    FSDP1 flattens a unit's parameters into flat parameters. The NF4 weights' packed storage goes into
-    flat parameters of its own, one per inner dtype (uint8 codes, int8 scales, float32 factors and means),
-    never cast; after the all-gather each weight is rebuilt as an `NF4Tensor` over the gathered bytes.
+    FSDP1 flattens a unit's parameters into flat parameters. The NF4 weights' packed storage goes into flat
+    parameters of its own, one per inner dtype (uint8 codes, int8 scales, float32 factors and means), never
+    cast; after the all-gather each weight is rebuilt as an `NF4Tensor` over the gathered bytes.
     """),
     code("""
     def fsdp1_step():
@@ -371,9 +369,9 @@ CELLS = [
     print("layers.0 all-gathers in one step (dtype, bytes):", runs1[0][1])
     """),
     md("""
-    Each flat parameter is gathered in forward and again in backward. A flat parameter holds one dtype and
-    one `requires_grad`, so the frozen float32 norms and the trainable float32 adapters are two of them;
-    then come the codes (values/2 bytes), the int8 scales (values/64) and the float32 factors and means.
+    Each flat parameter is gathered in forward and again in backward. A flat parameter holds one dtype and one
+    `requires_grad`, so the frozen float32 norms and the trainable float32 adapters are two of them; then come
+    the codes (values/2 bytes), the int8 scales (values/64) and the float32 factors and means.
 
     ## 8. Llama-2-7B: estimates beside published figures
 
@@ -381,12 +379,13 @@ CELLS = [
 
     * the FSDP2 + NF4 talk's headline (REFERENCES.md): 12.88 GiB with FSDP1 + bitsandbytes against 12.60 GiB
       with FSDP2 + torchao's NF4, batch 8 × 2048 tokens (which memory statistic is not stated);
-    * Answer.AI's fsdp_qlora benchmarks (`benchmarks_03_2024.md`) report 4.98 GiB, the allocator's peak *reserved*
-      memory (`torch.cuda.max_memory_reserved`) with the script's defaults: LoRA rank 64 on q, k, v, gate, up
-      and down (not o), batch 1 × 512, reentrant gradient checkpointing, pure bf16, FSDP1 + bitsandbytes.
+    * Answer.AI's fsdp_qlora benchmarks (`benchmarks_03_2024.md`) report 4.98 GiB, the allocator's peak
+      *reserved* memory (`torch.cuda.max_memory_reserved`) with the script's defaults: LoRA rank 64 on q, k,
+      v, gate, up and down (not o), batch 1 × 512, reentrant gradient checkpointing, pure bf16, FSDP1 +
+      bitsandbytes.
 
-    The estimator counts *live* bytes for the same model and batch shapes (with gradient checkpointing in
-    both settings), with adapters on all seven linears of each block (`LORA_TARGETS` in
+    The estimator counts *live* bytes for the same model and batch shapes (with gradient checkpointing in both
+    settings), with adapters on all seven linears of each block (`LORA_TARGETS` in
     `fsdp_lab/memory/estimate.py`) where Answer.AI's run has six (not o):
     """),
     code("""
@@ -404,24 +403,24 @@ CELLS = [
     md("""
     Where the gap at batch 1 × 512 comes from (sources in REFERENCES.md and Answer.AI's benchmark page):
 
-    * **Not the CUDA context**: `max_memory_reserved` counts only what PyTorch's caching allocator holds;
-      the context lives outside it.
-    * **The allocator's reserve**: in Answer.AI's script rank 0 quantizes the model layer by layer on the
-      GPU and broadcasts it with `sync_module_states`; the blocks the caching allocator cached while loading
-      stay reserved before any training step.
-    * **bitsandbytes' own buffers**: `Linear4bit` keeps its quantization state on the module, outside the
-      flat parameter, so the absmax statistics are replicated on every rank, and in March 2024 each weight
-      was dequantized to a full bf16 temporary for its matmul (both worked out from the shapes below).
+    * **Not the CUDA context**: `max_memory_reserved` counts only what PyTorch's caching allocator holds; the
+      context lives outside it.
+    * **The allocator's reserve**: in Answer.AI's script rank 0 quantizes the model layer by layer on the GPU
+      and broadcasts it with `sync_module_states`; the blocks the caching allocator cached while loading stay
+      reserved before any training step.
+    * **bitsandbytes' own buffers**: `Linear4bit` keeps its quantization state on the module, outside the flat
+      parameter, so the absmax statistics are replicated on every rank, and in March 2024 each weight was
+      dequantized to a full bf16 temporary for its matmul (both worked out from the shapes below).
 
     """),
     code("""
     lab08.print_bitsandbytes_buffers(LlamaConfig.from_name("llama2-7b"))
     """),
     md("""
-    At batch 8 × 2048 the activations, which the estimator counts, dominate and the allocator's reserve is
-    a smaller share: the estimate lands close to the talk's figures (the difference is printed above).
-    The GPU measurement of our own code (`python benchmarks/qlora_7b.py --device cuda`) has not been run
-    for this build.
+    At batch 8 × 2048 the activations, which the estimator counts, dominate and the allocator's reserve is a
+    smaller share: the estimate lands close to the talk's figures (the difference is printed above). The GPU
+    measurement of our own code (`python benchmarks/qlora_7b.py --device cuda`) has not been run for this
+    build.
 
     ## 9. Explore: rank, block size, double quantization, world size
 
@@ -460,18 +459,17 @@ CELLS = [
     """, tags=["nbval-ignore-output"]),
     md("""
     Smaller blocks track the weights more closely but cost more scale bytes; double quantization makes that
-    cost small. At LoRA rank 8 the adapters, with their gradients and AdamW state, are smaller than the
-    frozen bf16 embeddings, norms and output layer, which then are the largest part after the NF4
-    weights; at LoRA rank 64 (Answer.AI's setting) the adapters are the larger of the two, though still
-    smaller than the NF4 weights (the lines printed above).
+    cost small. At LoRA rank 8 the adapters, with their gradients and AdamW state, are smaller than the frozen
+    bf16 embeddings, norms and output layer, which then are the largest part after the NF4 weights; at LoRA
+    rank 64 (Answer.AI's setting) the adapters are the larger of the two, though still smaller than the NF4
+    weights (the lines printed above).
 
     ## 10. Exercise: the nearest-code lookup
 
     Write `nearest_code(normalised)`: for each value in [-1, 1], the index (0..15) of the nearest
     `NF4_CODEBOOK` entry, where a value exactly halfway between two codes goes to the **lower** code (as
-    bitsandbytes does; torchao takes the argmin of distances to its rounded table, so its ties can go
-    either way). Hint: compare with the 15 midpoints between neighbouring codes,
-    computed in float32.
+    bitsandbytes does; torchao takes the argmin of distances to its rounded table, so its ties can go either
+    way). Hint: compare with the 15 midpoints between neighbouring codes, computed in float32.
     """),
     exercise("""
     def nearest_code(normalised):
@@ -487,17 +485,17 @@ CELLS = [
     md("""
     ## Summary
 
-    * NF4 stores 4-bit codes at normal quantiles, one absmax scale per 64 values; double quantization
-      shrinks the scales to int8 with a float32 factor per 256: ~4.127 bits per weight.
+    * NF4 stores 4-bit codes at normal quantiles, one absmax scale per 64 values; double quantization shrinks
+      the scales to int8 with a float32 factor per 256: ~4.127 bits per weight.
     * `NF4Tensor` is a tensor subclass: the model sees a float weight, `F.linear` dequantizes on the fly,
       other aten ops reach `__torch_dispatch__`.
-    * LoRA trains two small matrices per linear; under FSDP2 the NF4 weights are sharded by whole blocks
-      and all-gathered as bytes, frozen yet resharded like any parameter. The NF4 linears move about a
-      quarter of their bf16 bytes; a whole block's all-gather, whose float32 adapters and norms weigh the
-      same either way, shrinks by less (both ratios printed in section 7).
-    * Answer.AI's published Llama-2-7B figure is the allocator's peak *reserved* memory (the talk does not
-      say which statistic it reports); the estimator counts live bytes. At small batches the difference
-      is mostly the caching allocator's reserve from loading.
+    * LoRA trains two small matrices per linear; under FSDP2 the NF4 weights are sharded by whole blocks and
+      all-gathered as bytes, frozen yet resharded like any parameter. The NF4 linears move about a quarter of
+      their bf16 bytes; a whole block's all-gather, whose float32 adapters and norms weigh the same either
+      way, shrinks by less (both ratios printed in section 7).
+    * Answer.AI's published Llama-2-7B figure is the allocator's peak *reserved* memory (the talk does not say
+      which statistic it reports); the estimator counts live bytes. At small batches the difference is mostly
+      the caching allocator's reserve from loading.
 
     Read next: `fsdp_lab/qlora/nf4.py`, `nf4_fsdp.py`, `lora.py` and `docs/qlora.md`.
     """),
