@@ -71,3 +71,25 @@ def test_optimizer_times_order_the_three_implementations(capsys):
     assert "fsdp2 foreach" in out and "of 2 runs" in out
     assert "fsdp2: fastest to slowest in this run: fused < foreach < for_loop (for_loop / fused = 3.0x)" in out
     assert "fsdp1: fastest to slowest in this run: fused < for_loop < foreach (for_loop / fused = 2.0x)" in out
+
+
+def test_optimizer_peaks_group_and_compare_repeats(capsys):
+    from fsdp_lab.workshop import lab07
+
+    names = ["f2 loop", "f2 foreach", "f2 fused", "f1 loop", "f1 foreach", "f1 fused"]
+    phase = {"f2 fused": "optimizer step start"}     # only FSDP2's fused run peaks inside the step
+
+    def table(moved):  # peak_total_mib per run; ``moved`` shifts one run's peak in this repeat
+        rows = [{"name": n, "peak_total_mib": 10.0 + i + (0.5 if n == moved else 0),
+                 "peak_phase": phase.get(n, "backward layers.0 end")} for i, n in enumerate(names)]
+        return CompareResult(rows, timelines={}, configs={}, raw=[])
+
+    lab07.print_optimizer_peaks(Repeats([table(None), table(None)]), names, {})
+    out = capsys.readouterr().out
+    assert "every run's peak the same in all repeats: True" in out
+    assert "fsdp2: for_loop / foreach / fused peaks (first repeat): 10.00 / 11.00 / 12.00 MiB; " \
+           "peak inside optimizer.step(): False / False / True" in out
+    assert "fsdp1: for_loop / foreach / fused peaks (first repeat): 13.00 / 14.00 / 15.00 MiB; " \
+           "peak inside optimizer.step(): False / False / False" in out
+    lab07.print_optimizer_peaks(Repeats([table(None), table("f1 loop")]), names, {})
+    assert "every run's peak the same in all repeats: False" in capsys.readouterr().out

@@ -93,6 +93,15 @@ def print_offload_verdict(repeats, table, names: list[str], whole_model: str) ->
               "which the whole-model unit (the root, kept gathered) skips.")
 
 
+OPTIMIZERS = ("for_loop", "foreach", "fused")
+
+
+def _by_implementation(names: list[str]) -> list[tuple[str, list[str]]]:
+    """The optimizer runs grouped per implementation: the first three ``names`` are FSDP2's, the
+    rest FSDP1's, each in the order of ``OPTIMIZERS``."""
+    return [("fsdp2", names[:len(OPTIMIZERS)]), ("fsdp1", names[len(OPTIMIZERS):])]
+
+
 def print_optimizer_times(repeats, names: list[str], labels: dict[str, str]) -> None:
     """Print each run's optimizer-step time (ms, mean ± sd over ``repeats``) and, per
     implementation (the first three ``names`` FSDP2, the rest FSDP1: for_loop, foreach, fused),
@@ -101,9 +110,8 @@ def print_optimizer_times(repeats, names: list[str], labels: dict[str, str]) -> 
     print(f"{'run':22} {'optimizer ms (mean ± sd of ' + str(len(repeats)) + ' runs)':>36}")
     for n in names:
         print(f"{labels.get(n, n):22} {spread(repeats.measured(n, 'optimizer')):>36}")
-    for impl, group in (("fsdp2", names[:3]), ("fsdp1", names[3:])):
-        mean_ms = {kind: statistics.mean(repeats.measured(n, "optimizer"))
-                   for kind, n in zip(("for_loop", "foreach", "fused"), group)}
+    for impl, group in _by_implementation(names):
+        mean_ms = {kind: statistics.mean(repeats.measured(n, "optimizer")) for kind, n in zip(OPTIMIZERS, group)}
         order = sorted(mean_ms, key=mean_ms.get)
         print(f"{impl}: fastest to slowest in this run: {' < '.join(order)} "
               f"(for_loop / fused = {mean_ms['for_loop'] / mean_ms['fused']:.1f}x)")
@@ -120,7 +128,7 @@ def print_optimizer_peaks(repeats, names: list[str], labels: dict[str, str]) -> 
     for n in names:
         print(f"{labels.get(n, n):22} {', '.join(f'{v:.2f}' for v in peaks[n]):>41}   {first.row(n)['peak_phase']}")
     print("every run's peak the same in all repeats:", all(len(set(v)) == 1 for v in peaks.values()))
-    for impl, group in (("fsdp2", names[:3]), ("fsdp1", names[3:])):
+    for impl, group in _by_implementation(names):
         print(f"{impl}: for_loop / foreach / fused peaks (first repeat): "
               + " / ".join(f"{peaks[n][0]:.2f}" for n in group) + " MiB; peak inside optimizer.step(): "
               + " / ".join(str(first.row(n)["peak_phase"] == "optimizer step start") for n in group))
