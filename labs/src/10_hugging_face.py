@@ -139,9 +139,7 @@ CELLS = [
         dist.all_reduce(mean_loss)
         mean_loss /= world
         comms = [(e.name, e.args.get("module"), e.bytes) for e in sorted(tl.comm_events(rank), key=lambda e: e.t_start)]
-        return {"peak": mt.peak(), "peak_total": mt.peak_total(), "peak_after": mt.result().peak_label,
-                "timeline": tl, "comms": comms,
-                "loss": mean_loss.item(), "nf4": nf4}
+        return {"memory": mt.result(), "timeline": tl, "comms": comms, "loss": mean_loss.item(), "nf4": nf4}
 
     KINDS = ("FSDP2", "FSDP1", "QLoRA + FSDP2")
     runs = {kind: fsdp_lab.launch(one_step, kind, world_size=2) for kind in KINDS}
@@ -152,8 +150,9 @@ CELLS = [
         gathers = [b for name, _, b in r0["comms"] if name == "all_gather"]
         print(f"{kind:14} loss ≈{r0['loss']:.4f} (mean over ranks) | all-gathers {len(gathers):2d} ({kib(sum(gathers))}) | "
               f"reduce-scatters {sum(n == 'reduce_scatter' for n, _, _ in r0['comms']):2d}")
-        print(f"   at the step's peak ({kib(r0['peak_total']).strip()}, rank 0, after '{r0['peak_after']}'):",
-              ", ".join(f"{k} {kib(v).strip()}" for k, v in r0["peak"].items() if v))
+        memory = r0["memory"]
+        print(f"   at the step's peak ({kib(memory.peak_total).strip()}, rank 0, after '{memory.peak_label}'):",
+              ", ".join(f"{k} {kib(v).strip()}" for k, v in memory.peak.items() if v))
     for kind in ("FSDP2", "FSDP1"):
         print(f"{kind} loss equal to one process's first loss (≈{one_process[0]:.4f}) within 1e-5:",
               abs(runs[kind][0]["loss"] - one_process[0]) < 1e-5)
@@ -184,7 +183,7 @@ CELLS = [
     code("""
     def render(kind):
         fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 3]})
-        plot_breakdown({k: runs[k][0]["peak"] for k in KINDS}, ax=left, unit="KiB",
+        plot_breakdown({k: runs[k][0]["memory"].peak for k in KINDS}, ax=left, unit="KiB",
                        title="rank 0 bytes by category at the step's peak")
         plot_timeline(Timeline.merge([r["timeline"] for r in runs[kind]]), ax=right, title=f"{kind}, 2 ranks, one step")
         fig.tight_layout()
