@@ -100,3 +100,12 @@ def test_bitsandbytes_buffers_by_hand(capsys):
     assert 32 * (4 * 4096**2 + 3 * 4096 * 11008) // 64 == 101_187_584
     assert capsys.readouterr().out == ("absmax statistics on every rank: 0.094 GiB; largest bf16 temporary "
                                        "(11008 x 4096): 86.0 MiB\n")
+
+
+def test_shortest_times_ratios_to_the_last_call(monkeypatch, capsys):
+    seconds = {"a": 0.003, "b": 0.0015, "ref": 0.001}
+    monkeypatch.setattr(lab08, "shortest_time", lambda fn: fn())   # no timing: fn returns its seconds
+    lab08.print_shortest_times({label: (lambda t=t: t) for label, t in seconds.items()})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "a      3.00 ms" and lines[2] == "ref    1.00 ms"
+    assert lines[3] == "time / ref's: a 3.0x; b 1.5x"

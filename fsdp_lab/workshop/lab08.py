@@ -219,6 +219,18 @@ def shortest_time(fn, repeats: int = 7) -> float:
     return min(times)
 
 
+def print_shortest_times(calls: dict) -> None:
+    """Time each of ``calls`` ({label: fn}) with ``shortest_time`` and print its milliseconds,
+    then how many times longer each took than the last one, the reference."""
+    seconds = {label: shortest_time(fn) for label, fn in calls.items()}
+    width = max(map(len, seconds))
+    for label, t in seconds.items():
+        print(f"{label:{width}} {1e3 * t:7.2f} ms")
+    *others, reference = seconds
+    print(f"time / {reference}'s: " + "; ".join(f"{label} {seconds[label] / seconds[reference]:.1f}x"
+                                                   for label in others))
+
+
 def bytes_still_gathered(model) -> int:
     """Bytes held by the all-gather outputs of every FSDP2 group in ``model`` (0 once every group
     has resharded). Reads FSDP2's per-module state (``_fsdp_state``): a module without a group

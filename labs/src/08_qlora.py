@@ -139,9 +139,11 @@ CELLS = [
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
     the 16-entry code book, multiply by its block's absmax, cast. Eagerly that is several kernels and
     full-size temporaries; `torch.compile` fuses them into one loop. It works on CPU too (inductor writes
-    C++), where the compiled loop only about matches the eager gather form; on GPUs, where each eager kernel
-    launch and temporary costs more, fusing pays more. The compiled function must give the same values, bit
-    for bit; the times are this machine's and are not compared.
+    C++): the recorded benchmark (`benchmarks/nf4_compile.py`, in docs/benchmarks.md) has the compiled loop
+    several times faster than the eager element-wise form it compiles and about as fast as the eager gather
+    form; the cell below prints this run's ratios. On GPUs, where each eager kernel launch and temporary
+    costs more, fusing pays more. The compiled function must give the same values, bit for bit; the times
+    are this machine's and are not compared.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -153,15 +155,10 @@ CELLS = [
     print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
     """),
     code("""
-    t_eager = lab08.shortest_time(lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16))
-    t_fused_eager = lab08.shortest_time(lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16))
-    t_compiled = lab08.shortest_time(lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16))
-    print(f"eager (gather form)       {1e3 * t_eager:7.2f} ms")
-    print(f"eager (element-wise form) {1e3 * t_fused_eager:7.2f} ms")
-    print(f"compiled                  {1e3 * t_compiled:7.2f} ms   "
-          f"(element-wise eager / compiled {t_fused_eager / t_compiled:.1f}x; gather form / compiled "
-          f"{t_eager / t_compiled:.1f}x)")
-    print("(benchmarks/nf4_compile.py measures a 4096 x 4096 weight with interleaved repeats)")
+    lab08.print_shortest_times({     # the last one is the reference of the ratios
+        "eager (gather form)": lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16),
+        "eager (element-wise form)": lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16),
+        "compiled": lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)})
     """, tags=["nbval-ignore-output"]),
     md("""
     ## 5. What a tensor subclass sees
@@ -248,17 +245,20 @@ CELLS = [
     not floats. We record step 2 with the `MemoryTracker` and the `Timeline`.
     """),
     code("""
+    def qlora_llama():          # NF4 base weights and rank-8 adapters: both FSDPs train this below
+        from fsdp_lab.models.llama import Llama
+        model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
+        torch.manual_seed(0)                          # the adapters' initial values
+        return apply_lora(model, rank=8, alpha=16, quantize_base=True)
+
     def qlora_step(steps=3):
         import torch.distributed as dist
         from fsdp_lab.fsdp2 import fully_shard
         from fsdp_lab.memory.tracker import MemoryTracker
         from fsdp_lab.models.data import global_batch, shard_batch
-        from fsdp_lab.models.llama import Llama
         from fsdp_lab.timeline import Timeline
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
-        torch.manual_seed(0)
-        apply_lora(model, rank=8, alpha=16, quantize_base=True)
+        model = qlora_llama()
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -348,13 +348,10 @@ CELLS = [
         import torch.distributed as dist
         from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy
         from fsdp_lab.models.data import global_batch, shard_batch
-        from fsdp_lab.models.llama import Llama, TransformerBlock
+        from fsdp_lab.models.llama import TransformerBlock
         from fsdp_lab.timeline import Timeline
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
-        torch.manual_seed(0)
-        apply_lora(model, rank=8, alpha=16, quantize_base=True)
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+        model = FullyShardedDataParallel(qlora_llama(), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
         batch = shard_batch(global_batch(512, 4, 32, step=0), rank, world)
         with Timeline() as tl:
@@ -436,12 +433,10 @@ CELLS = [
         frozen = 2 * c.vocab_size * c.dim + (2 * c.n_layers + 1) * c.dim
         per_rank = {"quantized": nf4 / world_size, "sharded_params": 2 * (frozen + adapters) / world_size,
                     "sharded_grads": 2 * adapters / world_size, "optimizer_state": 4 * adapters / world_size}
-        block_nf4 = nf4 / c.n_layers
-        return per_rank, block_nf4, 2 * sum(o * i for o, i in lin)
+        return per_rank, nf4 / c.n_layers, 2 * sum(o * i for o, i in lin)    # and one block's NF4 / bf16 bytes
 
     def render(lora_rank, block_size, double_quant, world_size):
-        per_rank, block_nf4, block_bf16 = seven_b(lora_rank, block_size, double_quant, world_size)
-        return lab08.draw_7b_states(per_rank, block_nf4, block_bf16, world_size)
+        return lab08.draw_7b_states(*seven_b(lora_rank, block_size, double_quant, world_size), world_size)
 
     fig, text = render(8, 64, True, 2)
     print(text)
