@@ -47,9 +47,9 @@ CELLS = [
     ## 1. The idea on one process: an emulated device
 
     On a GPU the caching allocator raises `torch.OutOfMemoryError` when it cannot find memory. On a laptop
-    there is no such limit, so `fsdp_lab.oom.memory_budget(nbytes, rank=...)` emulates one: a
-    `MemoryTracker` counts every storage allocated, and the allocation that would pass the budget raises
-    the **same exception type**. Ranks not named only track, which makes *asymmetric* OOMs possible.
+    there is no such limit, so `fsdp_lab.oom.memory_budget(nbytes, rank=...)` emulates one: a `MemoryTracker`
+    counts every storage allocated, and the allocation that would pass the budget raises the **same exception
+    type**. Ranks not named only track, which makes *asymmetric* OOMs possible.
     """),
     code("""
     try:
@@ -82,9 +82,9 @@ CELLS = [
     `AutoMicrobatch.train_step` fires one more, `optimizer_step`, after the last microbatch's backward and
     before the optimizer step. The sync hook runs at `all_gather`, `reduce_scatter` and `optimizer_step`.
 
-    First without sync hooks: rank 1 fails at its second `pre_backward` and goes to agree on a retry,
-    while rank 0 is already inside the backward all-gather. `launch` sees both ranks waiting in collectives
-    that differ, ends the hang and names each rank's last collective.
+    First without sync hooks: rank 1 fails at its second `pre_backward` and goes to agree on a retry, while
+    rank 0 is already inside the backward all-gather. `launch` sees both ranks waiting in collectives that
+    differ, ends the hang and names each rank's last collective.
     """),
     code("""
     B, SEQ = 8, 32      # samples per rank per step, sequence length
@@ -130,16 +130,16 @@ CELLS = [
     inside it). This package sends both flags in **one** two-element MAX all-reduce, `[oom, not_done]`, since
     MIN(done) = 1 − MAX(not done). The healthy rank learns of the failure there and raises
     `PeerOutOfMemoryError` instead of entering the all-gather; both ranks clean up FSDP state
-    (`FSDPModule.recover_from_error()`: free gathered parameters, drop partial gradients), step the
-    microbatch down and retry the same data.
+    (`FSDPModule.recover_from_error()`: free gathered parameters, drop partial gradients), step the microbatch
+    down and retry the same data.
 
-    We make rank 1 fail at the points where `inject_oom` aims in `CASES` below (`pre_forward`,
-    `pre_backward`, `post_backward` and `optimizer_step`), then in the middle of an allocation in forward
-    and in backward (`memory_budget(..., fail_at=(phase, n))`, the n-th allocation of that phase, as the
-    table names it: a real `torch.OutOfMemoryError` raised by the emulated allocator, away from any sync
-    point), all in one launch. The `optimizer_step` point fires *before* the step, so its OOM is retried
-    like the others; an OOM inside `optimizer.step()` itself raises `OptimizerStepOOMError` on every rank
-    and is not retried, since the step's memory does not depend on the microbatch size.
+    We make rank 1 fail at the points where `inject_oom` aims in `CASES` below (`pre_forward`, `pre_backward`,
+    `post_backward` and `optimizer_step`), then in the middle of an allocation in forward and in backward
+    (`memory_budget(..., fail_at=(phase, n))`, the n-th allocation of that phase, as the table names it: a
+    real `torch.OutOfMemoryError` raised by the emulated allocator, away from any sync point), all in one
+    launch. The `optimizer_step` point fires *before* the step, so its OOM is retried like the others; an OOM
+    inside `optimizer.step()` itself raises `OptimizerStepOOMError` on every rank and is not retried, since
+    the step's memory does not depend on the microbatch size.
     """),
     code("""
     LEAK_CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "activations", "sharded_grads")
@@ -174,22 +174,22 @@ CELLS = [
     """),
     md("""
     The table above is this run's: in every case both ranks end on the same microbatch, and no gathered
-    parameter or communication buffer is still held after the step (leaked bytes: what `LEAK_CATEGORIES`
-    still hold then; gradients cannot show up there, as `zero_grad(set_to_none=True)` runs after every
-    step). An OOM in the middle of an allocation is caught by the same agreement as one at a sync point:
-    the failing rank leaves the batch, the healthy one meets its flag at its next sync.
+    parameter or communication buffer is still held after the step (leaked bytes: what `LEAK_CATEGORIES` still
+    hold then; gradients cannot show up there, as `zero_grad(set_to_none=True)` runs after every step). An OOM
+    in the middle of an allocation is caught by the same agreement as one at a sync point: the failing rank
+    leaves the batch, the healthy one meets its flag at its next sync.
 
     Without hooks rank 0 sits in FSDP's all-gather while rank 1 waits in the agreement's all-reduce
-    (`oom_sync`, on this package's own gloo group). In Composer both run on the one default communicator,
-    so there the mismatch is an all-reduce facing an all-gather; either way neither rank can go on, and on a
-    real cluster only the collective timeout (NCCL's watchdog) ends it.
+    (`oom_sync`, on this package's own gloo group). In Composer both run on the one default communicator, so
+    there the mismatch is an all-reduce facing an all-gather; either way neither rank can go on, and on a real
+    cluster only the collective timeout (NCCL's watchdog) ends it.
 
     ## 3. The agreement protocol on a timeline
 
     The OOM flags travel on a gloo group of their own (`fsdp_lab.oom.flag_group()`), so a rank waiting on a
-    flag can never swallow another rank's all-gather. Below: rank 1 fails at its second `pre_backward`
-    (red line), both agree, recover and retry with a smaller microbatch (green line). Each `oom_sync` is
-    one two-element all-reduce: the sync hooks' before every collective, then those of `agree()`.
+    flag can never swallow another rank's all-gather. Below: rank 1 fails at its second `pre_backward` (red
+    line), both agree, recover and retry with a smaller microbatch (green line). Each `oom_sync` is one
+    two-element all-reduce: the sync hooks' before every collective, then those of `agree()`.
     """),
     code("""
     merged = Timeline.merge([r["timeline"] for r in recovered])
@@ -206,14 +206,14 @@ CELLS = [
     ## 4. Automatic microbatch search on a budget
 
     One process is enough to see the search. We measure the peak of a training step (AdamW) for every
-    microbatch size, model depth and sequence length, then let `AutoMicrobatch` search under a budget:
-    it starts at the whole batch (`B`) and steps down to the largest divisor of `B` at most half the failed
-    size (this package's rule; Composer simply halves, which is the same for a power of two).
+    microbatch size, model depth and sequence length, then let `AutoMicrobatch` search under a budget: it
+    starts at the whole batch (`B`) and steps down to the largest divisor of `B` at most half the failed size
+    (this package's rule; Composer simply halves, which is the same for a power of two).
 
-    Which step? AdamW creates its state (two tensors the size of each parameter) inside the first
-    `step()`, so during the first forward and backward that state does not exist yet; from the second step
-    on it does. A budget that holds the first step can fail the second, so `step_peak` runs one step
-    first and measures the next one, the step that repeats for the rest of training.
+    Which step? AdamW creates its state (two tensors the size of each parameter) inside the first `step()`, so
+    during the first forward and backward that state does not exist yet; from the second step on it does. A
+    budget that holds the first step can fail the second, so `step_peak` runs one step first and measures the
+    next one, the step that repeats for the rest of training.
     """),
     code("""
     def step_peak(n_layers, seq, microbatch, checkpoint=False, lora=None, first_step=False):
@@ -273,11 +273,11 @@ CELLS = [
           f"within the budget: first {first_at_4 <= budget}, later {later_at_4 <= budget}")
     """),
     md("""
-    The budget sits between the two peaks of the last line, so the first step fits at a microbatch the
-    table rules out: it runs before AdamW's state exists. The second step holds that state, runs out of
-    memory at the same size, and steps down again, to the size the table predicted; from then on each step
-    fits at the first try. On a GPU this is the run that trains one step and dies on the second: size a
-    budget for the step that repeats, not the first one.
+    The budget sits between the two peaks of the last line, so the first step fits at a microbatch the table
+    rules out: it runs before AdamW's state exists. The second step holds that state, runs out of memory at
+    the same size, and steps down again, to the size the table predicted; from then on each step fits at the
+    first try. On a GPU this is the run that trains one step and dies on the second: size a budget for the
+    step that repeats, not the first one.
     """),
     code("""
     def render(budget_mib, n_layers, seq_len):
@@ -301,23 +301,23 @@ CELLS = [
 
     On a GPU, a step that *almost* does not fit does not always fail. When PyTorch's caching allocator finds
     no free cached block and `cudaMalloc` fails, it frees its cached blocks and calls `cudaMalloc` again;
-    `torch.cuda.memory_stats()["num_alloc_retries"]` counts those failed calls that ended in a cache flush
-    and retry. Each one synchronizes the device and empties the cache — steps get slow. Like Composer,
+    `torch.cuda.memory_stats()["num_alloc_retries"]` counts those failed calls that ended in a cache flush and
+    retry. Each one synchronizes the device and empties the cache — steps get slow. Like Composer,
     `AutoMicrobatch` compares that count after each step with the one before; retries growing in
     **`THRASHING_STREAK` consecutive steps** (printed below) count as an OOM: the microbatch steps down for
     the next step and the sync hooks come back. The streak is counted differently: Composer MAX-reduces a
     per-batch flag "some rank's count grew" and counts consecutive batches with it set (the growth may come
     from different ranks); this package counts each rank's own streak and MAX-reduces "my streak reached
-    `THRASHING_STREAK`". (Composer also re-runs the same batch with the smaller microbatch; this package
-    steps down for the next one.)
+    `THRASHING_STREAK`". (Composer also re-runs the same batch with the smaller microbatch; this package steps
+    down for the next one.)
 
     Here the emulated allocator does the counting: `memory_budget(None, retry_above=...)` adds a retry each
     time an allocation takes the tracked total past a line, and `AutoMicrobatch` reads that count where it
     would read `num_alloc_retries`. The line sits between the peaks of a later step at microbatch 4 and 8
-    measured in section 4; the output shows the count after each step and the microbatch each step used. Inside
-    `AutoMicrobatch` the first step stays under the line (AdamW's state does not exist yet); from the second
-    step on, the whole batch crosses it, the count grows `THRASHING_STREAK` steps in a row, and the rule steps down to the next
-    divisor (microbatch per step, printed), where the count stops growing:
+    measured in section 4; the output shows the count after each step and the microbatch each step used.
+    Inside `AutoMicrobatch` the first step stays under the line (AdamW's state does not exist yet); from the
+    second step on, the whole batch crosses it, the count grows `THRASHING_STREAK` steps in a row, and the
+    rule steps down to the next divisor (microbatch per step, printed), where the count stops growing:
     """),
     code("""
     import fsdp_lab.automicrobatch as automicrobatch_module
@@ -348,13 +348,12 @@ CELLS = [
 
     `CPUOffloadPolicy` (FSDP2) and `CPUOffload(offload_params=True)` (FSDP1) keep sharded parameters, their
     gradients and the optimizer state in host memory; the optimizer step runs on the CPU and every all-gather
-    copies the shard up first. On a GPU that saves those
-    three categories of device memory and costs host-device copies and a slower step. On this CPU machine both
-    "devices" are the same memory, so the breakdown below shows *which categories move to the host*; the
-    saving on a GPU is their sum. The model here is one where the states are the point: many layers and
-    short sequences (the first line of the output). The last lines split the device peak of the offloaded
-    step: the host categories' bytes *at that moment* are what offload took off the device then. (Step
-    times are in an ignored cell.)
+    copies the shard up first. On a GPU that saves those three categories of device memory and costs
+    host-device copies and a slower step. On this CPU machine both "devices" are the same memory, so the
+    breakdown below shows *which categories move to the host*; the saving on a GPU is their sum. The model
+    here is one where the states are the point: many layers and short sequences (the first line of the
+    output). The last lines split the device peak of the offloaded step: the host categories' bytes *at that
+    moment* are what offload took off the device then. (Step times are in an ignored cell.)
     """),
     code("""
     HOST = ("sharded_params", "sharded_grads", "optimizer_state")
@@ -383,10 +382,10 @@ CELLS = [
     """),
     md("""
     Both implementations move the same three categories to the host, and the table reads each one's true
-    storage: FSDP1's sharded flat parameter, its flat gradient and AdamW's state, FSDP2's per-parameter
-    shards and their state. What stays on the device is what a step creates — gathered parameters,
-    communication buffers, unsharded gradients, activations and temporaries — and that differs between
-    FSDP1 (one flat buffer per unit) and FSDP2 (per-parameter copy-in/copy-out buffers).
+    storage: FSDP1's sharded flat parameter, its flat gradient and AdamW's state, FSDP2's per-parameter shards
+    and their state. What stays on the device is what a step creates — gathered parameters, communication
+    buffers, unsharded gradients, activations and temporaries — and that differs between FSDP1 (one flat
+    buffer per unit) and FSDP2 (per-parameter copy-in/copy-out buffers).
     """),
     code("""
     for impl in ("fsdp2", "fsdp1"):
@@ -423,22 +422,23 @@ CELLS = [
     files.savefig(fig, "checklist.png", dpi=90, bbox_inches="tight")
     """),
     md("""
-    Where the states dominate, sharding over 2 ranks alone brings the per-rank peak down (this run:
-    the FSDP2 row over its baseline is printed above; FSDP adds gathered parameters and communication
-    buffers on top of the halved states), offload moves the sharded states off the device, and LoRA/QLoRA
-    drop the frozen base's gradients and optimizer state. Where activations dominate, only microbatching and
-    checkpointing help. Which kind dominates decides the order of attack. On this small model activations
-    grow fastest with the sequence, so microbatching and checkpointing help most. On a 7B model at typical
-    sequence lengths the states dominate (weights, gradients and two AdamW moments for every parameter):
-    shard first, then offload the states or use QLoRA, and checkpoint or microbatch when the activations
-    still do not fit — letting `AutoMicrobatch` pick the microbatch on every rank at once.
+    Where the states dominate, sharding over 2 ranks alone brings the per-rank peak down (this run: the FSDP2
+    row over its baseline is printed above; FSDP adds gathered parameters and communication buffers on top of
+    the halved states), offload moves the sharded states off the device, and LoRA/QLoRA drop the frozen base's
+    gradients and optimizer state. Where activations dominate, only microbatching and checkpointing help.
+    Which kind dominates decides the order of attack. On this small model activations grow fastest with the
+    sequence, so microbatching and checkpointing help most. On a 7B model at typical sequence lengths the
+    states dominate (weights, gradients and two AdamW moments for every parameter): shard first, then offload
+    the states or use QLoRA, and checkpoint or microbatch when the activations still do not fit — letting
+    `AutoMicrobatch` pick the microbatch on every rank at once.
 
     ## 8. Exercise: the agreement that decides the retry on every rank
 
     Write `agreement(oom, not_done)`, run on every rank: `oom` is 1 if this rank ran out of memory, `not_done`
     1 if it is still inside the batch. Return `(someone_oomed, all_done)`, the same on every rank, using
     **one** `collectives.all_reduce` (it takes `op="max"`) of a two-element int32 tensor. The check runs it on
-    2 ranks for every combination of flags (the check prints how many) and compares with the formula and with `fsdp_lab.oom`.
+    2 ranks for every combination of flags (the check prints how many) and compares with the formula and with
+    `fsdp_lab.oom`.
     """),
     exercise("""
     def agreement(oom, not_done):
@@ -457,10 +457,10 @@ CELLS = [
 
     After an OOM every rank must pick the same smaller microbatch, and it must divide the batch (each
     microbatch's loss is weighted by its share). Composer simply halves (`max(size // 2, 1)`); this package
-    takes the largest divisor of the batch at most half the failed size. Write
-    `next_microbatch(batch_size, failed, min_size)`: the largest divisor of `batch_size` that is at most half
-    of `failed` and at least `min_size`, or `None` when there is none. The check compares it with
-    `AutoMicrobatch`'s rule for every small batch size (the check prints the range).
+    takes the largest divisor of the batch at most half the failed size. Write `next_microbatch(batch_size,
+    failed, min_size)`: the largest divisor of `batch_size` that is at most half of `failed` and at least
+    `min_size`, or `None` when there is none. The check compares it with `AutoMicrobatch`'s rule for every
+    small batch size (the check prints the range).
     """),
     exercise("""
     def next_microbatch(batch_size, failed, min_size=1):
@@ -480,8 +480,8 @@ CELLS = [
 
     * One rank's OOM deadlocks FSDP at the next collective. Composer syncs before each FSDP1 unit's forward
       all-gather, its backward all-gather, the post-backward prefetch all-gather, and inside FSDP1's unshard
-      after the storage is re-allocated; this package's FSDP1 and FSDP2 add a sync before each
-      reduce-scatter, and `AutoMicrobatch.train_step` one before the optimizer step.
+      after the storage is re-allocated; this package's FSDP1 and FSDP2 add a sync before each reduce-scatter,
+      and `AutoMicrobatch.train_step` one before the optimizer step.
     * Sync hooks + an agreement ("someone ran out", "everyone is done") on a separate group turn that into a
       clean, shared retry — whether the OOM came at a sync point or mid-allocation in forward or backward:
       recover FSDP state, step the microbatch down, rerun the same data.
