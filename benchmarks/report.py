@@ -8,7 +8,7 @@ This script does not run anything: it lays the recorded numbers out, one section
 headed by the first line of the script's docstring. The headline rows are the ratios and
 overheads the benchmark was written to check, beside their targets; every other number
 follows in a folded table. A soak result (``"kind": "soak"``, from ``soak_labs.py``) is laid
-out as "N of M runs passed" and one row per run. Re-run a benchmark, then this script, and
+out as "N of M runs passed", one row per run and one row per notebook (its seconds). Re-run a benchmark, then this script, and
 commit both.
 """
 
@@ -118,6 +118,21 @@ def soak_lines(data: dict) -> list[str]:
         cells = [_cell(key, run.get(key)) for key in SOAK_COLUMNS]
         failing = ", ".join(f"`{name}`" for name in run.get("failures", [])) or "none"
         lines.append("| " + " | ".join(cells + [failing.replace("|", "\\|")]) + " |")
+    return lines + [""] + notebook_time_lines(data["runs"])
+
+
+def notebook_time_lines(runs: list[dict]) -> list[str]:
+    """Each notebook's seconds in a soak's runs (the sum of its cells' times in pytest's JUnit
+    report, kernel start included): one row per notebook, the shortest and longest run. Empty
+    for a record made before notebooks were timed."""
+    seconds: dict[str, list[float]] = {}
+    for run in runs:
+        for notebook, value in run.get("notebook_seconds", {}).items():
+            seconds.setdefault(notebook, []).append(value)
+    if not seconds:
+        return []
+    lines = ["| notebook | seconds (shortest run) | seconds (longest run) |", "|---|---|---|"]
+    lines += [f"| `{name}` | {min(values):.0f} | {max(values):.0f} |" for name, values in seconds.items()]
     return lines + [""]
 
 

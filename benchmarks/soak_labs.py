@@ -5,6 +5,8 @@ Run from the repository root:
     python benchmarks/soak_labs.py                          # 5 runs of pytest --nbval labs/
     python benchmarks/soak_labs.py --record                 # and write the JSON for report.py
     python benchmarks/soak_labs.py --runs 1 labs/00_start_here.ipynb
+    python benchmarks/soak_labs.py --runs 1 --busy 0 --record \
+        --out benchmarks/results/soak_labs_quiet_cpu.json   # each lab's run time, quiet machine
 
 Every output nbval compares must be the same on a quiet or a busy machine. This starts
 ``--busy`` processes that spin on the CPU (``python -c "while True: pass"``), runs
@@ -12,8 +14,9 @@ Every output nbval compares must be the same on a quiet or a busy machine. This 
 failures (by test id) and a summary line, and stops the busy loops and any pytest still
 running at the end, also on Ctrl-C or SIGTERM. Exit status 0 when every run passed, 1 otherwise.
 ``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere) after every
-run, so a soak stopped early keeps the runs it finished; ``benchmarks/report.py`` lays it out in
-docs/benchmarks.md.
+run, so a soak stopped early keeps the runs it finished, with each notebook's seconds (from
+pytest's JUnit report: its cells' times, kernel start included); ``benchmarks/report.py`` lays
+it out in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def run_pytest(paths: list[str], timeout: float) -> dict:
         seconds = time.monotonic() - start
         counts = _junit_counts(report) if report.exists() else None
     if counts is None:  # pytest ended before writing a report (crash)
-        counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+        counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
+                  "notebook_seconds": {}}
     if process.returncode != 0 and not counts["failures"]:  # e.g. no such path, nothing collected
         last = output.strip().splitlines()[-1:] or [""]
         counts["failures"].append(f"pytest exited with {process.returncode}: {last[0][-300:]}")
@@ -94,15 +98,28 @@ def run_pytest(paths: list[str], timeout: float) -> dict:
 
 
 def _junit_counts(report: Path) -> dict:
-    """passed / failed / errors / skipped and the ids of failing tests, from a JUnit XML file."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    """passed / failed / errors / skipped, the ids of failing tests and each notebook's seconds
+    (``notebook_seconds``: the sum of its cells' times, kernel start included), from a JUnit
+    XML file."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [], "notebook_seconds": {}}
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), None)
         key = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(outcome, "passed")
         counts[key] += 1
+        notebook = notebook_path(case.get("classname", ""))
         if key in ("failed", "errors"):
-            counts["failures"].append(f"{case.get('classname', '')}::{case.get('name', '')}")
+            counts["failures"].append(f"{notebook}::{case.get('name', '')}")
+        seconds = counts["notebook_seconds"]
+        seconds[notebook] = seconds.get(notebook, 0.0) + float(case.get("time") or 0.0)
+    counts["notebook_seconds"] = {name: round(s, 1) for name, s in counts["notebook_seconds"].items()}
     return counts
+
+
+def notebook_path(classname: str) -> str:
+    """The path pytest ran for a JUnit class name: ``labs.solutions.03_zero_by_hand.ipynb``
+    becomes ``labs/solutions/03_zero_by_hand.ipynb`` (lab names hold no dot)."""
+    stem, dot, suffix = classname.rpartition(".")
+    return stem.replace(".", "/") + dot + suffix if stem else classname
 
 
 def run_passed(run: dict) -> bool:

@@ -62,3 +62,25 @@ def test_soak_stopped_early_says_how_many_runs_were_planned(tmp_path):
                                   "busy_loops": 2, "runs_passed": 1, "runs_total": 1, "runs_planned": 5,
                                   "runs": [run]}))
     assert "**1 of 1 runs passed** (stopped after 1 of 5 planned runs)" in report.section(result)
+
+
+def test_soak_section_lists_each_notebooks_seconds_over_the_runs(tmp_path):
+    result = tmp_path / "soak_labs_cpu.json"
+    runs = [{"run": i + 1, "passed": 3, "failed": 0, "errors": 0, "skipped": 0, "seconds": 60.0 + i,
+             "load_average_1min": 2.0, "exit_code": 0, "failures": [],
+             "notebook_seconds": {"labs/00_start_here.ipynb": 14.6 + i, "labs/solutions/00_start_here.ipynb": 20.2}}
+            for i in range(2)]
+    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
+                                  "busy_loops": 0, "runs_passed": 2, "runs_total": 2, "runs": runs}))
+    text = report.section(result)
+    assert "| `labs/00_start_here.ipynb` | 15 | 16 |" in text
+    assert "| `labs/solutions/00_start_here.ipynb` | 20 | 20 |" in text
+
+
+def test_soak_record_without_notebook_times_has_no_notebook_table(tmp_path):
+    result = tmp_path / "soak_labs_cpu.json"
+    run = {"run": 1, "passed": 1, "failed": 0, "errors": 0, "skipped": 0, "seconds": 5.0,
+           "load_average_1min": 2.0, "exit_code": 0, "failures": []}
+    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
+                                  "busy_loops": 2, "runs_passed": 1, "runs_total": 1, "runs": [run]}))
+    assert "| notebook |" not in report.section(result)

@@ -1,0 +1,33 @@
+"""benchmarks/soak_labs.py: a JUnit report becomes counts, failing ids and seconds per notebook."""
+
+import importlib.util
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("soak_labs", REPO / "benchmarks" / "soak_labs.py")
+soak_labs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(soak_labs)
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="4">
+<testcase classname="labs.00_start_here.ipynb" name="Cell 0" time="2.849" />
+<testcase classname="labs.00_start_here.ipynb" name="Cell 1" time="0.016"><failure message="x" /></testcase>
+<testcase classname="labs.solutions.00_start_here.ipynb" name="Cell 0" time="3.25" />
+<testcase classname="labs.solutions.00_start_here.ipynb" name="Cell 1" time="0.1"><skipped /></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_junit_report_gives_counts_failures_and_seconds_per_notebook(tmp_path):
+    report = tmp_path / "junit.xml"
+    report.write_text(JUNIT)
+    counts = soak_labs._junit_counts(report)
+    assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (2, 1, 0, 1)
+    assert counts["failures"] == ["labs/00_start_here.ipynb::Cell 1"]  # as pytest names it
+    assert counts["notebook_seconds"] == {"labs/00_start_here.ipynb": 2.9,          # 2.849 + 0.016
+                                          "labs/solutions/00_start_here.ipynb": 3.4}  # 3.25 + 0.1
+
+
+def test_notebook_path_turns_a_class_name_back_into_the_path_pytest_ran():
+    assert soak_labs.notebook_path("labs.solutions.03_zero_by_hand.ipynb") == "labs/solutions/03_zero_by_hand.ipynb"
+    assert soak_labs.notebook_path("labs.08_qlora.ipynb") == "labs/08_qlora.ipynb"
