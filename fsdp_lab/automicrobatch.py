@@ -102,6 +102,7 @@ def _alloc_retries(device: torch.device) -> int | None:
 
 
 def _max_flag(value: bool) -> bool:
+    """True if ``value`` is true on any rank (``oom._flag``: a one-element all-reduce, ``oom_flag``)."""
     if not dist.is_initialized():
         return bool(value)
     return bool(oom._flag(int(value), "max"))

@@ -15,6 +15,8 @@
   MIN(done) = 1 - MAX(not done). Ranks still
   inside the batch answer "not done" from sync hooks that run before each FSDP collective,
   and raise ``PeerOutOfMemoryError`` there instead of entering a collective that would hang.
+  On a timeline these all-reduces are named ``oom_sync``; the one-element flags ``AutoMicrobatch``
+  agrees on after the optimizer step (did it run out, is a rank thrashing) are ``oom_flag``.
 """
 
 from __future__ import annotations
@@ -211,10 +213,15 @@ def _flags(oom: int, not_done: int) -> tuple[int, int]:
 
 
 def _flag(value: int, op: str) -> int:
+    """``value`` reduced with ``op`` over all ranks: one one-element all-reduce, named ``oom_flag``.
+
+    A name of its own so a timeline tells these flags (``AutoMicrobatch``: did the optimizer step
+    run out, is a rank thrashing) from the two-element ``oom_sync`` of the hooks and ``agree()``.
+    """
     if not dist.is_initialized():  # one process: nobody to agree with
         return value
     t = torch.tensor([value], dtype=torch.int32)
-    collectives.all_reduce(t, op=op, group=flag_group(), name="oom_sync")
+    collectives.all_reduce(t, op=op, group=flag_group(), name="oom_flag")
     return int(t.item())
 
 

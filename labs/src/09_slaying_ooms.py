@@ -189,16 +189,18 @@ CELLS = [
     The OOM flags travel on a gloo group of their own (`fsdp_lab.oom.flag_group()`), so a rank waiting on a
     flag can never swallow another rank's all-gather. Below: rank 1 fails at its second `pre_backward` (red
     line), both agree, recover and retry with a smaller microbatch (green line). Each `oom_sync` is one
-    two-element all-reduce: the sync hooks' before every collective, then those of `agree()`.
+    two-element all-reduce: a sync hook's (before every all-gather, reduce-scatter and the optimizer step) or
+    a round of `agree()` after each try at the batch; after the optimizer step the one-element `oom_flag`
+    agrees whether the step itself ran out (counts and sizes below).
     """),
     code("""
     merged = Timeline.merge([r["timeline"] for r in recovered])
     for rank in (0, 1):
         events = sorted(merged.comm_events(rank), key=lambda e: e.t_start)
         names = [e.name for e in events]
-        first = names.index("oom_sync")
-        print(f"rank {rank}: {len(events)} collectives, {names.count('oom_sync')} oom_sync all-reduces; "
-              f"first ones: {names[:6]}")
+        sizes = {n: "/".join(map(str, sorted({e.bytes for e in events if e.name == n}))) for n in ("oom_sync", "oom_flag")}
+        print(f"rank {rank}: {len(events)} collectives;", ", ".join(f"{names.count(n)} {n} ({b} B each)" for n, b in sizes.items()))
+        print(f"   first ones: {names[:6]}; last ones: {names[-3:]}")
     fig = lab09.plot_agreement_timeline(merged, recovered[1]["marks"]["oom"], recovered[0]["marks"]["retry"])
     files.savefig(fig, "agreement_timeline.png", dpi=90, bbox_inches="tight")
     """),
@@ -425,12 +427,13 @@ CELLS = [
     Where the states dominate, sharding over 2 ranks alone brings the per-rank peak down (this run: the FSDP2
     row over its baseline is printed above; FSDP adds gathered parameters and communication buffers on top of
     the halved states), offload moves the sharded states off the device, and LoRA/QLoRA drop the frozen base's
-    gradients and optimizer state. Where activations dominate, only microbatching and checkpointing help.
-    Which kind dominates decides the order of attack. On this small model activations grow fastest with the
-    sequence, so microbatching and checkpointing help most. On a 7B model at typical sequence lengths the
-    states dominate (weights, gradients and two AdamW moments for every parameter): shard first, then offload
-    the states or use QLoRA, and checkpoint or microbatch when the activations still do not fit — letting
-    `AutoMicrobatch` pick the microbatch on every rank at once.
+    gradients and optimizer state. Where activations dominate, the group runs the two items aimed at them;
+    sharding, offload and LoRA would cut only the states' part of that peak, not the activations. Percentages
+    are against each group's own baseline: QLoRA and offload cut most where states dominate, microbatch 2 more
+    than checkpointing where activations do. Which kind dominates decides the order of attack. On a 7B model
+    at typical sequence lengths the states dominate (weights, gradients and two AdamW moments for every
+    parameter): shard first, then offload the states or use QLoRA, and checkpoint or microbatch when the
+    activations still do not fit — letting `AutoMicrobatch` pick the microbatch on every rank at once.
 
     ## 8. Exercise: the agreement that decides the retry on every rank
 
