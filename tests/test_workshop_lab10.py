@@ -137,6 +137,7 @@ def test_peft_state_dict_verdicts():
     assert lab10.check_peft_state_dict(stub).mistake == "stub"
     right = lab10.check_peft_state_dict(solution)
     assert right.solved and "28 tensors" in right.message
+    assert "14 adapted linears in 2 decoder layers" in right.message   # 7 projections per decoder layer
     assert lab10.check_peft_state_dict(no_prefix).mistake == "no_prefix"
     assert lab10.check_peft_state_dict(lower_case).mistake == "case"
     assert lab10.check_peft_state_dict(swapped).mistake == "swapped"

@@ -217,6 +217,9 @@ def check_peft_state_dict(peft_state_dict):
         return mistake("wrong_values", f"PEFT's logits differ from the QLoRA model's by up to {diff:.3g}; "
                                        "each key must hold that layer's own adapter")
     del transformers
-    return correct(f"PEFT loaded your {len(answer)} tensors ({len(answer) // 2} layers x lora_A, lora_B) onto "
-                   "the plain model with the dequantized base weights, and its logits equal the QLoRA "
-                   "model's: the adapters travel, the NF4 base does not need to")
+    # counted from the answer's keys: base_model.model.<linear>.lora_A.weight, <linear> = model.layers.<i>.<...>
+    linears = {key[len("base_model.model."):].rsplit(".", 2)[0] for key in answer}
+    layers = {name.split(".layers.", 1)[1].split(".", 1)[0] for name in linears if ".layers." in name}
+    return correct(f"PEFT loaded your {len(answer)} tensors (lora_A and lora_B of {len(linears)} adapted linears "
+                   f"in {len(layers)} decoder layers) onto the plain model with the dequantized base weights, "
+                   "and its logits equal the QLoRA model's: the adapters travel, the NF4 base does not need to")

@@ -94,18 +94,18 @@ CELLS = [
     md("""
     ## 3. One step under FSDP2, FSDP1 and QLoRA: memory and collectives
 
-    The same step on 2 ranks three ways: fsdp_lab's FSDP2 (one group per decoder layer and the root),
-    FSDP1 (`FullyShardedDataParallel` with one unit per decoder layer), and QLoRA (NF4 base weights plus
-    low-rank adapters, their rank and alpha printed first) under FSDP2. Each rank reports its bytes by
-    category at the moment of its step's peak, as its `MemoryTracker` saw them (each category's own
-    maximum comes at other moments, so those would not add up to the peak), and its collectives on a
-    `Timeline`. The step recorded is each model's first: AdamW creates its state inside `opt.step()` and
-    the tracker files it under `optimizer_state` when that step ends, so none shows at these peaks (each
-    printed with the last phase boundary before it); from the second step on, the step `compare()`
-    measures, the state is there for the whole step. The loss printed is the mean over both ranks (each
-    rank's loss is that of its half of the batch), all-reduced after the recorded step; it is checked
-    against the first loss of the one-process run above, which saw the whole batch. QLoRA's loss is not
-    expected to match it: its adapters start at zero, but its base weights are NF4-rounded.
+    The same step on 2 ranks three ways: fsdp_lab's FSDP2 (one group per decoder layer and the root), FSDP1
+    (`FullyShardedDataParallel` with one unit per decoder layer), and QLoRA (NF4 base weights plus low-rank
+    adapters, their rank and alpha printed first) under FSDP2. Each rank reports its bytes by category at the
+    moment of its step's peak, as its `MemoryTracker` saw them (each category's own maximum comes at other
+    moments, so those would not add up to the peak), and its collectives on a `Timeline`. The step recorded is
+    each model's first, and each peak comes in backward (printed with the last phase boundary before it;
+    `opt.step()` has boundaries of its own), before AdamW creates its state inside `opt.step()`, so no
+    `optimizer_state` shows at these peaks. From the second step on the state is there for the whole step. The
+    loss printed is the mean over both ranks (each rank's loss is that of its half of the batch), all-reduced
+    after the recorded step; it is checked against the first loss of the one-process run above, which saw the
+    whole batch. QLoRA's loss is not expected to match it: its adapters start at zero, but its base weights
+    are NF4-rounded.
     """),
     code("""
     def one_step(kind):
@@ -172,13 +172,14 @@ CELLS = [
           "weight's double-quantization factor and mean, counted once in the stored bytes (fsdp_lab/qlora/nf4_fsdp.py)")
     """),
     md("""
-    FSDP1 and FSDP2 move the same bytes for the same model and reach the one-process loss. With QLoRA a
-    decoder layer's all-gather carries the 4-bit codes and the scales of its linears (their share of the
-    float32 and bf16 bytes is printed), with the float32 adapters and norms riding along: the last lines
-    split the whole layer's all-gather, printed as a fraction of its float32 size. Only the adapters'
-    gradients are reduce-scattered. The figure stacks rank 0's bytes by category at the peak of its step
-    (the bar's height is that peak) and shows the timeline of both ranks for each run; the widget below
-    switches between them.
+    Here FSDP1 and FSDP2 all-gather the same bytes and both reach the one-process loss. That need not hold for
+    every model: FSDP2 pads each parameter's dim 0 to a multiple of the world size, FSDP1 each unit's flat
+    parameter, so their padding can differ. With QLoRA a decoder layer's all-gather carries the 4-bit codes
+    and the scales of its linears (their share of the float32 and bf16 bytes is printed), with the float32
+    adapters and norms riding along: the last lines split the whole layer's all-gather, printed as a fraction
+    of its float32 size. Only the adapters' gradients are reduce-scattered. The figure stacks rank 0's bytes
+    by category at the peak of its step (the bar's height is that peak) and shows the timeline of both ranks
+    for each run; the widget below switches between them.
     """),
     code("""
     def render(kind):
@@ -255,7 +256,8 @@ CELLS = [
     * A `transformers` model shards like any module: `fully_shard` each decoder layer and the root (FSDP2), or
       wrap with `ModuleWrapPolicy({DecoderLayerClass})` (FSDP1); the loss averaged over ranks equals one
       process's (to 1e-5, printed in section 3).
-    * `apply_lora` finds Hugging Face's layer names by default; under FSDP the NF4 bytes, not floats, travel.
+    * `apply_lora` finds Hugging Face's layer names by default; under FSDP the base linears travel as NF4, while
+      the embeddings, `lm_head`, norms and adapters stay float32 (section 3 splits a layer's all-gather).
     * `MemoryTracker` and `Timeline` read a Hugging Face model's step as they read any other.
     * The adapters are what a fine-tune produces: PEFT's keys and config make them loadable with
       `PeftModel.from_pretrained` onto the plain model; see docs/huggingface.md.
