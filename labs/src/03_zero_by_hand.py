@@ -21,10 +21,10 @@ CELLS = [
 
     1. Measure what one data-parallel rank keeps for the model it trains — parameters, gradients, AdamW's
        optimizer state: 4 + 4 + 8 bytes per parameter in fp32 — and what each ZeRO stage shards away.
-    2. Write DDP and the three ZeRO stages yourself, about forty lines on `fsdp_lab.collectives`: first the
-       optimizer state is sharded (ZeRO-1), then the gradients (ZeRO-2), then the parameters (ZeRO-3, what
-       FSDP's `FULL_SHARD` does: all-gather in a forward pre-hook, free after forward, gather again before
-       backward, reduce-scatter in a post-backward hook).
+    2. Write DDP and the three ZeRO stages yourself on `fsdp_lab.collectives`: first the optimizer state is
+       sharded (ZeRO-1), then the gradients (ZeRO-2), then the parameters (ZeRO-3, what FSDP's `FULL_SHARD`
+       does: all-gather in a forward pre-hook, free after forward, gather again before backward,
+       reduce-scatter in a post-backward hook).
     3. Check each stage three ways: the same parameters as single-process training (to 1e-5), memory per
        category against the ZeRO arithmetic, bytes on the wire against the formula — and read why ZeRO-3
        sends 1.5× DDP's bytes on its timeline.
@@ -72,12 +72,17 @@ CELLS = [
     moments = alone["optimizer_state"] - 4 * tensors
     print(f"optimizer state  {kib(alone['optimizer_state']):>11} = 8 B x {moments // 8:,} "
           f"(exp_avg, exp_avg_sq) + {tensors} step counters x 4 B")
+    print(f"per parameter: {(alone['params'] + alone['whole_grads'] + moments) / elements:g} B "
+          "(the step counters aside)")
     """),
     md("""
-    So a rank needs 16 bytes per parameter before it stores a single activation: the ZeRO paper's
-    *model states*. Data parallelism replicates all of them on every rank. ZeRO removes the redundancy one
-    state at a time, using the identity of lab 01: an all-reduce is a reduce-scatter plus an all-gather.
-    Two "ranks" as a list, each with the gradient of its half of the batch:
+    So a rank needs 16 bytes per parameter (the last line) before it stores a single activation: the ZeRO
+    paper's *model states*. The paper's total is the same, its make-up is not: it trains in mixed precision, 2
+    bytes of fp16 parameters, 2 of fp16 gradients and 12 of optimizer state (an fp32 copy of the parameters
+    and the two moments), so its ZeRO-1 shards that fp32 copy along with the moments; here everything is fp32,
+    4 + 4 + 8. Data parallelism replicates all of them on every rank. ZeRO removes the redundancy one state at
+    a time, using the identity of lab 01: an all-reduce is a reduce-scatter plus an all-gather. Two "ranks" as
+    a list, each with the gradient of its half of the batch:
     """),
     code("""
     grads = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([3.0, 4.0, 5.0, 6.0])]   # rank 0, rank 1
@@ -85,7 +90,7 @@ CELLS = [
     slices = [mean[2 * r:2 * r + 2] for r in range(2)]
     print("DDP, all-reduce (avg):        every rank holds", mean.tolist())
     print("ZeRO, reduce-scatter (avg):   rank 0 holds", slices[0].tolist(), "| rank 1 holds", slices[1].tolist())
-    print("after each rank's optimizer updates its slice, all-gather:", torch.cat(slices).tolist())
+    print("all-gather of the two slices: every rank holds", torch.cat(slices).tolist())
     """),
     md("""
     A rank that updates only its slice needs the optimizer state of that slice only (**ZeRO-1**), and only
