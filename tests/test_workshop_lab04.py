@@ -2,7 +2,9 @@
 
 ``check_rank_shard`` runs in this process against FSDP1's arithmetic (and, here, against the
 shards 3 real FSDP1 ranks hold for one block); ``check_reduce_flat_grad``'s answers all run in
-one shared launch and are compared with the sharded gradient fsdp_lab's FSDP1 computes.
+one shared launch and are compared with the sharded gradient fsdp_lab's FSDP1 computes, and
+their collectives must be reduce-scatters. The widget's controls offer HYBRID_SHARD only on
+worlds it can split.
 """
 
 from __future__ import annotations
@@ -122,10 +124,28 @@ def own_piece(flat_grad):
     return flat_grad[rank * n:(rank + 1) * n] / 1.0
 
 
+def all_reduced_then_sliced(flat_grad):
+    """The right shard, cut out of an all-reduce: twice a reduce-scatter's traffic."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    collectives.all_reduce(flat_grad, op="avg")
+    n = flat_grad.numel() // world
+    return flat_grad[rank * n:(rank + 1) * n].clone()
+
+
+def averaged_by_the_collective(flat_grad):
+    """Right, and different from the shipped solution: the reduce-scatter averages."""
+    import torch.distributed as dist
+    shard = torch.empty(flat_grad.numel() // dist.get_world_size())
+    collectives.reduce_scatter_tensor(shard, flat_grad, op="avg")
+    return shard
+
+
 @pytest.fixture(scope="module")
 def lab04_launch():
     solution = LAB04["reduce_flat_grad"][1]
-    cases = [(solution,), (not_averaged,), (all_reduced,), (own_piece,)]
+    cases = [(solution,), (not_averaged,), (all_reduced,), (own_piece,), (all_reduced_then_sliced,),
+             (averaged_by_the_collective,)]
     return SharedLaunch(lab04._reduce_case, cases, world_size=lab04.REDUCE_WORLD)
 
 
@@ -139,3 +159,20 @@ def test_reduce_flat_grad_verdicts(lab04_launch, monkeypatch):
     assert lab04.check_reduce_flat_grad(not_averaged).mistake == "not_averaged"
     assert lab04.check_reduce_flat_grad(all_reduced).mistake == "whole_gradient"
     assert lab04.check_reduce_flat_grad(own_piece).mistake == "not_reduced"
+    assert lab04.check_reduce_flat_grad(all_reduced_then_sliced).mistake == "not_reduce_scatter"
+    assert lab04.check_reduce_flat_grad(averaged_by_the_collective).solved
+
+
+# ----------------------------------------------------------------------------- widget
+
+def test_widget_offers_hybrid_shard_only_on_worlds_it_splits(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert lab04.world_sizes("FULL_SHARD") == [1, 2, 4]
+    assert lab04.world_sizes("HYBRID_SHARD") == [4]          # 1 and 2 ranks do not split in groups of 2
+    assert lab04.world_sizes("HYBRID_SHARD", (3, 6, 9)) == [6, 9]
+    controls = lab04.explorer_controls()
+    assert controls["world_size"].value == 2
+    controls["strategy"].value = "HYBRID_SHARD"
+    assert tuple(controls["world_size"].options) == (4,) and controls["world_size"].value == 4
+    controls["strategy"].value = "NO_SHARD"
+    assert tuple(controls["world_size"].options) == (1, 2, 4) and controls["world_size"].value == 4

@@ -39,8 +39,11 @@ class FullyShardedDataParallel(ShardedUnit):
 
     Same keywords and defaults as PyTorch's FSDP1 except ``use_orig_params=True`` (the only
     mode here) and the extra ``grad_accumulation``: "flat" (default) adds each parameter's
-    gradient straight into one pre-allocated flat buffer in the accumulation dtype; "concat"
-    builds per-parameter gradients and concatenates them (PyTorch's way).
+    gradient straight into one pre-allocated flat buffer in the accumulation dtype (fairscale PR
+    #1186); "concat" keeps a per-parameter gradient in that dtype and concatenates them once all
+    exist (fairscale's ``optimize_backward_concat``, PR #1184). PyTorch's FSDP1 does neither: the
+    backward of the split that makes its parameter views yields one flat gradient in the
+    compute dtype, cast once to ``reduce_dtype``.
     ``limit_all_gathers`` is PyTorch's rate limiter (``runtime.AllGatherLimiter``).
 
     Raises:

@@ -10,7 +10,10 @@
 * ``check_reduce_flat_grad(reduce_flat_grad)``: the post-backward step of an FSDP1 unit:
   ``reduce_flat_grad(flat_grad)`` gets this rank's whole padded flat gradient and returns
   this rank's shard of the average over ranks. Reference: fsdp_lab's FSDP1 (one unit, 2
-  ranks), whose sharded gradient after the same backward the answer must equal.
+  ranks), whose sharded gradient after the same backward the answer must equal; the
+  collectives the answer issues (recorded with a ``Timeline``) must be reduce-scatters.
+* ``world_sizes(strategy)`` and ``explorer_controls()``: the lab's widget offers only the world
+  sizes a strategy runs on (HYBRID_SHARD needs a world fsdp_lab can split in groups).
 
 The lab's step figure is drawn here too (``draw_step``, colours ``MEMORY_COLORS``).
 """
@@ -130,12 +133,14 @@ def check_rank_shard(rank_shard, real_shards=None, params=None):
 
 def _reduce_case(reduce_flat_grad):
     """On each rank: the whole model as one FSDP1 unit, one backward on this rank's half of a
-    batch. Returns the answer's shard, FSDP1's sharded gradient, and the pieces to diagnose."""
+    batch. Returns the answer's shard, FSDP1's sharded gradient, the names of the collectives
+    the answer issued, and the pieces to diagnose."""
     import torch.distributed as dist
 
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
     from fsdp_lab.models.data import global_batch, shard_batch
     from fsdp_lab.models.llama import Llama
+    from fsdp_lab.timeline import Timeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = shard_batch(global_batch(512, 4, 16, step=0), rank, world)
@@ -154,10 +159,12 @@ def _reduce_case(reduce_flat_grad):
     local = torch.cat([grads[info.fqn.replace("_fsdp_wrapped_module.", "")].reshape(-1) for info in layout.infos])
     flat_grad = torch.cat([local, local.new_zeros(layout.padded_numel - layout.numel)])
     given = flat_grad.clone()
-    result = reduce_flat_grad(given)
+    with Timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
+        result = reduce_flat_grad(given)
     if isinstance(result, torch.Tensor):
         result = result.detach().clone()
     return {"result": result, "reference": reference, "local": flat_grad, "rank": rank,
+            "collectives": [e.name for e in timeline.comm_events()],
             "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel}
 
 
@@ -168,14 +175,27 @@ def _close(a, b) -> bool:
 @checker("reduce_flat_grad", hint="out = torch.empty(flat_grad.numel() // world); "
                                   "collectives.reduce_scatter_tensor(out, flat_grad); return out / world")
 def check_reduce_flat_grad(reduce_flat_grad):
-    """Run ``reduce_flat_grad`` on 2 ranks after one backward and compare with the sharded
-    gradient fsdp_lab's FSDP1 computes from the same model and data."""
+    """Run ``reduce_flat_grad`` on 2 ranks after one backward, compare with the sharded
+    gradient fsdp_lab's FSDP1 computes from the same model and data, and require that the
+    answer's collectives were reduce-scatters."""
     out = launch(_reduce_case, reduce_flat_grad, world_size=REDUCE_WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("reduce_flat_grad")
     if not all(isinstance(o["result"], torch.Tensor) for o in out):
         return mistake("not_a_tensor", "return this rank's shard of the averaged gradient as a tensor")
     if all(_close(o["result"], o["reference"]) for o in out):
+        used = sorted(set(out[0]["collectives"]))
+        if not used:
+            return mistake("no_collective", "the shard is right, but no collective went through "
+                                            "fsdp_lab.collectives, which the check records",
+                           "call collectives.reduce_scatter_tensor(shard, flat_grad)")
+        if used != ["reduce_scatter"]:
+            return mistake("not_reduce_scatter", f"the shard is right, but it came through "
+                                                 f"{', '.join(used)}: an all-reduce gives every rank the "
+                                                 "whole sum and sends 2(N-1)/N of the flat gradient per "
+                                                 "rank; a reduce-scatter gives each rank only its shard, "
+                                                 "for half of that",
+                           "collectives.reduce_scatter_tensor(shard, flat_grad)")
         shard = out[0]["shard_numel"]
         return correct(f"each rank holds the same {shard:,} averaged gradient values as FSDP1's sharded "
                        f".grad: one reduce-scatter of the {out[0]['padded_numel']:,}-element flat gradient "
@@ -201,6 +221,49 @@ def check_reduce_flat_grad(reduce_flat_grad):
         return mistake("wrong_size", f"the result has shape {sorted(shapes)[0]}; a shard has "
                                      f"{out[0]['shard_numel']} elements (flat_grad.numel() // world)")
     return mistake("wrong_values", "the shard differs from FSDP1's sharded gradient")
+
+
+WIDGET_WORLDS = (1, 2, 4)   # world sizes the lab's widget offers
+
+
+def world_sizes(strategy: str, choices=WIDGET_WORLDS) -> list[int]:
+    """The world sizes of ``choices`` that ``strategy`` (a ShardingStrategy name) runs on:
+    all of them, but for HYBRID_SHARD only those fsdp_lab can split into >= 2 groups of >= 2
+    ranks (``fsdp1.groups.hybrid_shard_size``, which raises ValueError for the others)."""
+    from fsdp_lab.fsdp1.groups import hybrid_shard_size
+
+    if strategy != "HYBRID_SHARD":
+        return list(choices)
+    allowed = []
+    for world in choices:
+        try:
+            hybrid_shard_size(world)
+        except ValueError:
+            continue
+        allowed.append(world)
+    return allowed
+
+
+def explorer_controls() -> dict:
+    """The lab widget's controls, by ``render``'s keyword: strategy, wrapping (default "per
+    linear") and world size (default 2). Choosing a strategy narrows the world sizes to
+    ``world_sizes(strategy)``, keeping the chosen one when it is still allowed, else the
+    largest allowed."""
+    import ipywidgets as widgets
+
+    strategy = widgets.Dropdown(options=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
+                                value="FULL_SHARD", description="strategy")
+    wrapping = widgets.Dropdown(options=["per block", "whole model", "per linear"], value="per linear",
+                                description="wrapping")
+    world = widgets.Dropdown(options=list(WIDGET_WORLDS), value=2, description="world size")
+
+    def narrow(change):
+        chosen, allowed = world.value, world_sizes(change.new)
+        world.options = allowed
+        world.value = chosen if chosen in allowed else allowed[-1]
+
+    strategy.observe(narrow, names="value")
+    return {"strategy": strategy, "wrapping": wrapping, "world_size": world}
 
 
 # one colour per memory category, shared by the lab's figures

@@ -28,7 +28,6 @@ CELLS = [
     import functools, math, os
     import torch
     import matplotlib.pyplot as plt
-    import ipywidgets as widgets
     import fsdp_lab
     from fsdp_lab.fsdp1 import (FullyShardedDataParallel as FSDP, ModuleWrapPolicy, MixedPrecision,
                                 ShardingStrategy, shard_boundaries, size_based_auto_wrap_policy)
@@ -246,15 +245,19 @@ CELLS = [
 
     ## 5. Strategies and wrapping: memory against traffic
 
-    Same model, same data, one step each. The wrappings: `per block` (one unit per transformer block),
-    `whole model` (one unit), and `per linear`, a size-based policy (`min_num_params=40_000`): each
-    feed-forward linear is large enough to be its own unit, while the attention's four smaller linears
-    only pass the threshold together, as one attention unit. The `loss` column is the loss of the whole batch (each rank's
-    loss on its share, averaged over the ranks), so it must agree in every row; peak memory and bytes sent
-    do not. HYBRID_SHARD needs a world that factors: on 4 ranks, shard within {0,1} and {2,3}, all-reduce
-    gradients across {0,2} and {1,3}. The batch is the same 8 sequences in every row, so a rank holds 4 of
-    them on 2 ranks and 2 on 4 ranks: the 4-rank rows' peaks (their activations above all) compare only
-    with each other. Each setting is measured with its own tracker, which counts only the storages of the
+    Same model, same data, one step each. The wrappings: `per block` (one unit per transformer block), `whole
+    model` (one unit), and `per linear`, a size-based policy (`min_num_params=40_000`): each feed-forward
+    linear is large enough to be its own unit, while the attention's four smaller linears only pass the
+    threshold together, as one attention unit. The `loss` column is the loss of the whole batch (each rank's
+    loss on its share, averaged over the ranks), so it must agree in every row; peak memory and bytes sent do
+    not. PyTorch's HYBRID_SHARD shards within a node (as many ranks as the node has GPUs) and replicates
+    across nodes. CPU ranks have no nodes, so fsdp_lab splits the world itself (`fsdp_lab/fsdp1/groups.py`):
+    the largest divisor of the world size that is at most its square root is the number of replicas, so 4
+    ranks shard within {0,1} and {2,3} and all-reduce gradients across {0,2} and {1,3}, and a world that does
+    not split into at least two groups of at least two ranks (a prime number of ranks, for one) is refused;
+    the widget below offers it only where it runs. The batch is the same 8 sequences in every row, so a rank
+    holds 4 of them on 2 ranks and 2 on 4 ranks: the 4-rank rows' peaks (their activations above all) compare
+    only with each other. Each setting is measured with its own tracker, which counts only the storages of the
     model and optimizer it tracks, so runs earlier in the same process do not show up.
 
     `sent` is what one rank sends in the step (MiB), counted as a ring sends it — nccl-tests'
@@ -317,21 +320,21 @@ CELLS = [
           f"{sent['HYBRID_SHARD / per block (4 ranks)'] / sent['FULL_SHARD / per block (4 ranks)']:.3f}")
     """),
     md("""
-    Read the table: SHARD_GRAD_OP skips the backward all-gathers (4 fewer) and pays with memory (the
-    gathered parameters stay from forward to backward). It sends exactly what NO_SHARD sends: a
-    reduce-scatter and an all-gather of the same bytes cost a rank what one all-reduce of them does — ZeRO-2
-    has DDP's traffic. FULL_SHARD gathers each block again in backward and sends more (the ratio above:
-    ZeRO-3's 1.5× DDP, a little less here because the root is not gathered again). NO_SHARD moves
-    gradients with one all-reduce per unit and keeps everything replicated (the highest peak of the
-    per-block settings). The wrapping rows trade the other way: a whole-model unit gathers everything at
-    once (one all-gather, the largest `unsharded_params` at its peak) and, being the root, is not gathered
-    again in backward, so it sends what NO_SHARD sends; per-linear units the opposite (many small
-    collectives, the smallest gathered set), and they send more than per-block units: the embedding and
-    output layers become units of their own, gathered again in backward, where per block they sit in the
-    root, gathered once. On 4 ranks HYBRID_SHARD sends less per rank than FULL_SHARD
-    (the last line): its all-gathers and reduce-scatters run within groups of 2, where a rank sends half
-    of each collective rather than three quarters, and its all-reduce across groups carries only the
-    gradient shard. The lines above say, from this run's numbers, how the three FULL_SHARD peaks order.
+    Read the table: SHARD_GRAD_OP skips the backward all-gathers (4 fewer) and pays with memory (the gathered
+    parameters stay from forward to backward). It sends exactly what NO_SHARD sends: a reduce-scatter and an
+    all-gather of the same bytes cost a rank what one all-reduce of them does — ZeRO-2 has DDP's traffic.
+    FULL_SHARD gathers each block again in backward and sends more (the ratio above), though not quite
+    ZeRO-3's ratio, 3(N−1)/N of the parameters' bytes against DDP's 2(N−1)/N (lab 03), because the root is not
+    gathered again. NO_SHARD moves gradients with one all-reduce per unit and keeps everything replicated (the
+    highest peak of the per-block settings). The wrapping rows trade the other way: a whole-model unit gathers
+    everything at once (one all-gather, the largest `unsharded_params` at its peak) and, being the root, is
+    not gathered again in backward, so it sends what NO_SHARD sends; per-linear units the opposite (many small
+    collectives, the smallest gathered set), and they send more than per-block units: the embedding and output
+    layers become units of their own, gathered again in backward, where per block they sit in the root,
+    gathered once. On 4 ranks HYBRID_SHARD sends less per rank than FULL_SHARD (the last line): its
+    all-gathers and reduce-scatters run within groups of 2, where a rank sends half of each collective rather
+    than three quarters, and its all-reduce across groups carries only the gradient shard. The lines above
+    say, from this run's numbers, how the three FULL_SHARD peaks order.
 
     ## 6. fp32 gradients: one flat buffer instead of per-parameter copies and `torch.cat`
 
@@ -394,8 +397,9 @@ CELLS = [
     is reduced: each rank needs only the sum over ranks of **its own** slice, which is what a
     reduce-scatter gives, and the loss is a mean over the whole batch, so the sum is divided by the world
     size. Write `reduce_flat_grad(flat_grad)` with `collectives.reduce_scatter_tensor(output, input)`;
-    return this rank's shard. The check runs it on 2 ranks after one backward of the whole model and
-    compares with the sharded gradient fsdp_lab's FSDP1 leaves in `.grad` after the same backward.
+    return this rank's shard. The check runs it on 2 ranks after one backward of the whole model,
+    compares with the sharded gradient fsdp_lab's FSDP1 leaves in `.grad` after the same backward, and
+    records your collectives with a `Timeline`: the shard must come from a reduce-scatter.
     """),
     exercise("""
     def reduce_flat_grad(flat_grad):
@@ -465,13 +469,8 @@ CELLS = [
     files.savefig(fig, "widget_default_per_linear.png", dpi=90)
     """),
     code("""
-    explorer = Explorer({
-        "strategy": widgets.Dropdown(options=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"],
-                                     value="FULL_SHARD", description="strategy"),
-        "wrapping": widgets.Dropdown(options=["per block", "whole model", "per linear"], value="per linear",
-                                     description="wrapping"),
-        "world_size": widgets.Dropdown(options=[1, 2, 4], value=2, description="world size"),
-    }, render, title="FSDP1: one step", auto=False)
+    # strategy, wrapping and world size; HYBRID_SHARD narrows the world sizes to those it can split (4)
+    explorer = Explorer(lab04.explorer_controls(), render, title="FSDP1: one step", auto=False)
     explorer.show((fig, text));
     """, tags=["nbval-ignore-output"]),
     md("""
