@@ -1,9 +1,9 @@
 """Lab 05's checkers fed the shipped stub, the shipped solution and typical wrong answers.
 
 ``check_shard_param`` runs in this process against ``torch.chunk`` plus padding (and the
-storage sizes fsdp_lab's ``fully_shard`` gives a 5x3 weight on 4 ranks, measured here);
+padded shards fsdp_lab's ``fully_shard`` gives a 5x3 weight on 4 ranks, measured here);
 ``check_pre_forward``'s answers run in one shared launch and are compared with the same
-``nn.Linear`` computed in one process.
+``nn.Linear`` computed in one process, and their collectives must be all-gathers.
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ def _fully_shard_5x3():
 
     from fsdp_lab.fsdp2 import fully_shard
 
-    w = fully_shard(nn.Linear(3, 5)).weight
-    return dist.get_rank(), (w.to_local().shape[0], w.to_local().untyped_storage().nbytes() // 4)
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 5)
+    full = layer.weight.detach().clone()
+    fully_shard(layer)
+    padded = layer._fsdp_state.group.fsdp_params[0]._sharded_data
+    return dist.get_rank(), full, layer.weight.to_local().shape[0], padded.clone()
 
 
 def padded_chunk(param, world, rank):
@@ -59,11 +63,19 @@ def padded_chunk(param, world, rank):
 def test_shard_param_verdicts():
     stub, solution = LAB05["shard_param"]
     assert lab05.check_shard_param(stub).mistake == "stub"
-    real = dict(fsdp_lab.launch(_fully_shard_5x3, world_size=4, timeout=300))
+    ranks = fsdp_lab.launch(_fully_shard_5x3, world_size=4, timeout=300)
+    weight = ranks[0][1]
+    real = {rank: padded for rank, _, _, padded in ranks}
     # 5 rows on 4 ranks: ceil = 2 rows each; real rows 2, 2, 1, 0; every storage 2 x 3 = 6 floats
-    assert real == {0: (2, 6), 1: (2, 6), 2: (1, 6), 3: (0, 6)}
-    right = lab05.check_shard_param(solution, real=real)
+    assert [rows for _, _, rows, _ in ranks] == [2, 2, 1, 0]
+    assert all(padded.shape == (2, 3) for padded in real.values())
+    right = lab05.check_shard_param(solution, real=real, param=weight)
     assert right.solved and "[2, 2, 1, 0] real rows" in right.message
+    assert "every piece of 24 parameters x worlds" in right.message
+    # a shard that differs from what fully_shard holds (here: one value of rank 2's) is caught
+    altered = {rank: padded.clone() for rank, padded in real.items()}
+    altered[2][0, 0] += 1.0
+    assert lab05.check_shard_param(solution, real=altered, param=weight).mistake == "differs_from_fully_shard"
     assert lab05.check_shard_param(unpadded).mistake == "no_padding"
     assert lab05.check_shard_param(floor_rows).mistake == "floor_rows"
     assert lab05.check_shard_param(padding_on_top).mistake == "padding_first"
@@ -96,10 +108,47 @@ def reversed_ranks(module, args):
         setattr(module, name, torch.cat(pieces[::-1])[:module.rows[name]])
 
 
+def all_reduced_pieces(module, args):
+    """The right weights, by an all-reduce of zero tensors that hold only this rank's rows."""
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for name, shard in module.shards.items():
+        whole = torch.zeros(world * shard.shape[0], *shard.shape[1:])
+        whole[rank * shard.shape[0]:(rank + 1) * shard.shape[0]] = shard
+        collectives.all_reduce(whole)
+        setattr(module, name, whole[:module.rows[name]])
+
+
+def gathered_around_collectives(module, args):
+    """The right weights from torch.distributed directly, which the check cannot see."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world * shard.shape[0], *shard.shape[1:])
+        dist.all_gather_into_tensor(gathered, shard.contiguous())
+        setattr(module, name, gathered[:module.rows[name]])
+
+
+def one_gather_for_both(module, args):
+    """Right, and different from the shipped solution: one all-gather for both parameters
+    (copy-in, collective, copy-out, as fully_shard does for a group)."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    names = list(module.shards)
+    flat = torch.cat([module.shards[n].reshape(-1) for n in names])
+    gathered = torch.empty(world * flat.numel())
+    collectives.all_gather_into_tensor(gathered, flat)
+    per_rank = gathered.view(world, -1).split([module.shards[n].numel() for n in names], dim=1)
+    for name, column in zip(names, per_rank):
+        shard = module.shards[name]
+        setattr(module, name, column.reshape(world * shard.shape[0], *shard.shape[1:])[:module.rows[name]])
+
+
 @pytest.fixture(scope="module")
 def lab05_launch():
     solution = LAB05["pre_forward"][1]
-    cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,)]
+    cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,), (all_reduced_pieces,),
+             (gathered_around_collectives,), (one_gather_for_both,)]
     return SharedLaunch(lab05._hook_case, cases, world_size=lab05.HOOK_WORLD)
 
 
@@ -113,6 +162,9 @@ def test_pre_forward_verdicts(lab05_launch, monkeypatch):
     assert lab05.check_pre_forward(kept_padding).mistake == "kept_padding"
     assert lab05.check_pre_forward(own_shard_only).mistake == "not_gathered"
     assert lab05.check_pre_forward(reversed_ranks).mistake == "wrong_order"
+    assert lab05.check_pre_forward(all_reduced_pieces).mistake == "not_all_gather"
+    assert lab05.check_pre_forward(gathered_around_collectives).mistake == "no_collective"
+    assert lab05.check_pre_forward(one_gather_for_both).solved
 
 
 def test_reference_shard_is_chunk_plus_zero_rows():

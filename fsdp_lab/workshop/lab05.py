@@ -1,14 +1,15 @@
 """Checkers for lab 05 (FSDP2, per-parameter sharding).
 
-* ``check_shard_param(shard_param, real=None)``: ``shard_param(param, world, rank)`` returns
-  rank ``rank``'s padded ``Shard(0)`` piece of ``param``: ``ceil(rows / world)`` rows, its own
-  rows of ``torch.chunk(param, world)`` on top and zeros below. Reference: ``torch.chunk``
-  (what PyTorch's FSDP2 uses) on many shapes and, when given, what real ranks of fsdp_lab's
-  ``fully_shard`` hold (``real``: {rank: (local rows, padded elements)} for one weight).
+* ``check_shard_param(shard_param, real=None, param=None)``: ``shard_param(param, world, rank)``
+  returns rank ``rank``'s padded ``Shard(0)`` piece of ``param``: ``ceil(rows / world)`` rows,
+  its own rows of ``torch.chunk(param, world)`` on top and zeros below. Reference:
+  ``torch.chunk`` (what PyTorch's FSDP2 uses) on many shapes and, when given, the padded
+  shards real ranks of fsdp_lab's ``fully_shard`` hold for ``param`` (``real``: {rank: tensor}).
 * ``check_pre_forward(pre_forward)``: ``pre_forward(module, args)`` is a forward pre-hook that
   all-gathers each of ``module.shards`` (this rank's padded shards) into the full parameter
   (``module.rows[name]`` rows) and sets it on the module. Reference: the same ``nn.Linear``
-  run in one process with its full weights (on 4 ranks, 7 rows: one padding row).
+  run in one process with its full weights (on 4 ranks, 7 rows: one padding row); the
+  collectives the hook issues (recorded with a ``Timeline``) must be all-gathers.
 """
 
 from __future__ import annotations
@@ -43,74 +44,93 @@ def _cases():
             yield torch.randn(shape, generator=gen), world
 
 
+def _diagnose_shard(shard_param, param: torch.Tensor, world: int):
+    """A mistake() for the first rank where ``shard_param`` differs from ``reference_shard``
+    on ``param`` and ``world`` ranks, else None."""
+    rows = math.ceil(param.shape[0] / world)
+    for rank in range(world):
+        expected = reference_shard(param, world, rank)
+        try:
+            got = shard_param(param.clone(), world, rank)
+        except IndexError as error:
+            pieces = len(torch.chunk(param, world, dim=0))
+            return mistake("short_chunks", f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}: "
+                                           f"IndexError ({error}). torch.chunk gave only {pieces} pieces: it "
+                                           f"cuts ceil(rows / world) = {rows} rows each, so rank {rank} has "
+                                           "no real rows", f"when rank >= len(chunks), return {rows} zero rows")
+        if is_placeholder(got):
+            return placeholder_left("shard_param")
+        if not isinstance(got, torch.Tensor):
+            return mistake("not_a_tensor", "return the padded shard as a tensor")
+        got = got.detach()
+        if got.shape == expected.shape and torch.equal(got, expected):
+            continue
+        where = f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}"
+        chunks = torch.chunk(param, world, dim=0)
+        own = chunks[rank] if rank < len(chunks) else param[:0]
+        if got.shape == own.shape and torch.equal(got, own):
+            return mistake("no_padding", f"{where}: you returned its {own.shape[0]} real rows; every "
+                                         f"rank stores {rows} rows (zeros below) so that all "
+                                         "all-gather inputs have one size")
+        if got.shape[0] == param.shape[0] // world and param.shape[0] % world:
+            return mistake("floor_rows", f"{where}: {got.shape[0]} rows is rows // world; a shard has "
+                                         f"ceil(rows / world) = {rows}")
+        if got.shape == expected.shape and own.shape[0] < rows and \
+                torch.equal(got[rows - own.shape[0]:], own) and not got[:rows - own.shape[0]].any():
+            return mistake("padding_first", f"{where}: the zero rows are on top; FSDP2 puts the "
+                                            "padding below the real rows")
+        if got.dim() == param.dim() and param.dim() > 1 and got.shape[0] == param.shape[0]:
+            return mistake("wrong_dim", f"{where}: you cut along dim 1; Shard(0) cuts rows (dim 0)")
+        others = [r for r in range(world) if r != rank and got.shape == expected.shape
+                  and torch.equal(got, reference_shard(param, world, r))]
+        if others:
+            return mistake("wrong_rank", f"{where}: you returned rank {others[0]}'s piece",
+                           "rank r's rows start at r * ceil(rows / world)")
+        return mistake("wrong_values", f"{where}: expected shape {tuple(expected.shape)}, got "
+                                       f"{tuple(got.shape)} with other values")
+    return None
+
+
 @checker("shard_param", hint="rows = ceil(param.shape[0] / world); take this rank's chunk of "
                              "torch.chunk(param, world, dim=0) (maybe none) and pad it with zero rows "
                              "to `rows` rows")
-def check_shard_param(shard_param, real=None):
-    """Compare with ``reference_shard`` on 24 shapes x worlds and, when ``real`` is given, with
-    what fsdp_lab's fully_shard holds for a (5, 3) weight on ``len(real)`` ranks."""
-    for param, world in _cases():
-        rows = math.ceil(param.shape[0] / world)
-        for rank in range(world):
-            expected = reference_shard(param, world, rank)
-            try:
-                got = shard_param(param.clone(), world, rank)
-            except IndexError as error:
-                pieces = len(torch.chunk(param, world, dim=0))
-                return mistake("short_chunks", f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}: "
-                                               f"IndexError ({error}). torch.chunk gave only {pieces} pieces: it "
-                                               f"cuts ceil(rows / world) = {rows} rows each, so rank {rank} has "
-                                               "no real rows", f"when rank >= len(chunks), return {rows} zero rows")
-            if is_placeholder(got):
-                return placeholder_left("shard_param")
-            if not isinstance(got, torch.Tensor):
-                return mistake("not_a_tensor", "return the padded shard as a tensor")
-            got = got.detach()
-            if got.shape == expected.shape and torch.equal(got, expected):
-                continue
-            where = f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}"
-            chunks = torch.chunk(param, world, dim=0)
-            own = chunks[rank] if rank < len(chunks) else param[:0]
-            if got.shape == own.shape and torch.equal(got, own):
-                return mistake("no_padding", f"{where}: you returned its {own.shape[0]} real rows; every "
-                                             f"rank stores {rows} rows (zeros below) so that all "
-                                             "all-gather inputs have one size")
-            if got.shape[0] == param.shape[0] // world and param.shape[0] % world:
-                return mistake("floor_rows", f"{where}: {got.shape[0]} rows is rows // world; a shard has "
-                                             f"ceil(rows / world) = {rows}")
-            if got.shape == expected.shape and own.shape[0] < rows and \
-                    torch.equal(got[rows - own.shape[0]:], own) and not got[:rows - own.shape[0]].any():
-                return mistake("padding_first", f"{where}: the zero rows are on top; FSDP2 puts the "
-                                                "padding below the real rows")
-            if got.dim() == param.dim() and param.dim() > 1 and got.shape[0] == param.shape[0]:
-                return mistake("wrong_dim", f"{where}: you cut along dim 1; Shard(0) cuts rows (dim 0)")
-            others = [r for r in range(world) if r != rank and got.shape == expected.shape
-                      and torch.equal(got, reference_shard(param, world, r))]
-            if others:
-                return mistake("wrong_rank", f"{where}: you returned rank {others[0]}'s piece",
-                               "rank r's rows start at r * ceil(rows / world)")
-            return mistake("wrong_values", f"{where}: expected shape {tuple(expected.shape)}, got "
-                                           f"{tuple(got.shape)} with other values")
-    if real is not None:
-        weight = torch.zeros(5, 3)
-        world = len(real)
-        for rank, (local_rows, padded_elements) in real.items():
-            got = shard_param(weight, world, rank)
-            if got.numel() != padded_elements:
-                return mistake("differs_from_fully_shard", f"rank {rank}: {got.numel()} elements, but "
-                                                           f"fully_shard's storage holds {padded_elements}")
-        rows = {rank: local for rank, (local, _) in real.items()}
-        return correct(f"every piece matches torch.chunk plus padding; for the 5x3 weight on {world} ranks "
-                       f"fully_shard's ranks hold {list(rows.values())} real rows in storages of "
-                       f"{math.ceil(5 / world)} rows each, as yours")
-    return correct("every piece matches torch.chunk plus zero rows up to ceil(rows / world)")
+def check_shard_param(shard_param, real=None, param=None):
+    """Compare with ``reference_shard`` on every case of ``_cases`` (6 shapes x 4 worlds) and,
+    when ``real`` ({rank: padded shard}) and ``param`` are given, with the padded shards
+    fsdp_lab's fully_shard holds for ``param`` on ``len(real)`` ranks, value for value."""
+    cases = list(_cases())
+    for case, world in cases:
+        found = _diagnose_shard(shard_param, case, world)
+        if found is not None:
+            return found
+    counted = f"every piece of {len(cases)} parameters x worlds matches torch.chunk plus padding"
+    if real is None or param is None:
+        return correct(f"{counted} (zero rows up to ceil(rows / world))")
+    world = len(real)
+    found = _diagnose_shard(shard_param, param, world)
+    if found is not None:
+        return found
+    for rank, held in sorted(real.items()):
+        got = shard_param(param.clone(), world, rank).detach()
+        if got.shape != held.shape or not torch.equal(got.to(held.dtype), held):
+            return mistake("differs_from_fully_shard", f"rank {rank}: your piece of the {tuple(param.shape)} "
+                                                       f"weight differs from the padded shard fully_shard's "
+                                                       f"rank {rank} holds")
+    chunks = torch.chunk(param, world, dim=0)
+    rows = [chunks[r].shape[0] if r < len(chunks) else 0 for r in range(world)]
+    shape = "x".join(str(d) for d in param.shape)
+    return correct(f"{counted}; for the {shape} weight on {world} ranks fully_shard's ranks hold {rows} "
+                   f"real rows in storages of {math.ceil(param.shape[0] / world)} rows each, the same "
+                   "values as yours")
 
 
 def _hook_case(pre_forward):
     """On each rank: an nn.Linear whose parameters are replaced by this rank's padded shards,
-    with ``pre_forward`` as its forward pre-hook; the output and what the hook set, beside a
-    one-process reference run of the same layer."""
+    with ``pre_forward`` as its forward pre-hook; the output, what the hook set and the names
+    of the collectives it issued, beside a one-process reference run of the same layer."""
     import torch.distributed as dist
+
+    from fsdp_lab.timeline import Timeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -127,13 +147,15 @@ def _hook_case(pre_forward):
         setattr(layer, name, None)
     layer.register_forward_pre_hook(pre_forward)
     try:
-        out = layer(x).detach()
+        with Timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
+            out = layer(x).detach()
         error = ""
     except (RuntimeError, TypeError, ValueError) as exc:   # e.g. shapes that do not multiply: reported below
         out, error = None, str(exc).splitlines()[0]
+    issued = [e.name for e in timeline.comm_events()]
     seen = {name: (None if getattr(layer, name) is None else getattr(layer, name).detach().clone())
             for name in ("weight", "bias")}
-    return {"out": out, "error": error, "reference": reference, "seen": seen,
+    return {"out": out, "error": error, "reference": reference, "seen": seen, "collectives": issued,
             "full": {n: p.detach().clone() for n, p in full.named_parameters()}}
 
 
@@ -142,8 +164,9 @@ def _hook_case(pre_forward):
                              "collectives.all_gather_into_tensor(gathered, shard); "
                              "setattr(module, name, gathered[:module.rows[name]])")
 def check_pre_forward(pre_forward):
-    """Run the hook on 4 ranks before an nn.Linear(5, 7) whose weights are sharded, and compare
-    the layer's output and gathered weights with the same layer run in one process."""
+    """Run the hook on 4 ranks before an nn.Linear(5, 7) whose weights are sharded, compare
+    the layer's output and gathered weights with the same layer run in one process, and
+    require that the hook's collectives were all-gathers."""
     out = launch(_hook_case, pre_forward, world_size=HOOK_WORLD, timeout=CHECK_TIMEOUT)
     first = out[0]
     rows = HOOK_SHAPE[0]
@@ -162,6 +185,17 @@ def check_pre_forward(pre_forward):
         return mistake("raised", f"the forward failed: {first['error']}")
     if all(torch.allclose(o["out"], o["reference"], atol=1e-6) for o in out) and \
             all(torch.equal(o["seen"][n], o["full"][n]) for o in out for n in ("weight", "bias")):
+        used = sorted(set(first["collectives"]))
+        if not used:
+            return mistake("no_collective", "the weights came back whole, but no collective went through "
+                                            "fsdp_lab.collectives, which the check records",
+                           "call collectives.all_gather_into_tensor(gathered, shard)")
+        if used != ["all_gather"]:
+            return mistake("not_all_gather", f"the weights came back whole, but through {', '.join(used)}: "
+                                             "an all-gather sends each rank's shard to the others, (N-1)/N "
+                                             "of the parameter per rank; an all-reduce of zero-padded whole "
+                                             "tensors sends 2(N-1)/N of it",
+                           "collectives.all_gather_into_tensor(gathered, shard)")
         return correct(f"on {HOOK_WORLD} ranks the layer computed what the unsharded layer computes in one "
                        f"process: each weight came back whole ({rows} rows from {HOOK_WORLD} padded shards of "
                        f"{math.ceil(rows / HOOK_WORLD)}, {padded - rows} padding row dropped) — FSDP2's "

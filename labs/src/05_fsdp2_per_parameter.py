@@ -120,17 +120,21 @@ CELLS = [
     def dtensor_per_rank():
         import torch.distributed as dist
         torch.manual_seed(0)
-        layer = fully_shard(nn.Linear(3, 5))
+        layer = nn.Linear(3, 5)
+        full = layer.weight.detach().clone()
+        fully_shard(layer)
         w, b = layer.weight, layer.bias
+        padded = layer._fsdp_state.group.fsdp_params[0]._sharded_data   # the weight's storage, with padding
         return {"rank": dist.get_rank(), "placements": str(w.placements), "global": tuple(w.shape),
                 "weight local": tuple(w.to_local().shape),
                 "weight storage": w.to_local().untyped_storage().nbytes() // 4,
-                "bias local": tuple(b.to_local().shape)}
+                "bias local": tuple(b.to_local().shape)}, full, padded.clone()
 
     rows_per_rank = fsdp_lab.launch(dtensor_per_rank, world_size=4)
-    for row in rows_per_rank:
+    for row, _, _ in rows_per_rank:
         print(row)
-    real_5x3 = {row["rank"]: (row["weight local"][0], row["weight storage"]) for row in rows_per_rank}
+    weight_5x3 = rows_per_rank[0][1]                                      # for the exercise's check
+    real_5x3 = {row["rank"]: padded for row, _, padded in rows_per_rank}
     """),
     md("""
     Rank 3 holds no rows of the 5×3 weight, yet it stores 2×3 floats (6 elements): the padding that keeps
@@ -140,8 +144,8 @@ CELLS = [
 
     Write `shard_param(param, world, rank)`: the tensor rank `rank` stores for `param` — `ceil(rows / world)`
     rows, its own rows of `torch.chunk(param, world, dim=0)` on top (maybe none) and zero rows below. The
-    check compares with `torch.chunk` plus padding on 24 shapes and worlds, and with the storage sizes the
-    4 real ranks above hold.
+    check compares with `torch.chunk` plus padding on many shapes and worlds (it prints how many), and with
+    the padded storage each of the 4 real ranks above holds for the 5×3 weight, value for value.
     """),
     exercise("""
     def shard_param(param, world, rank):
@@ -155,7 +159,7 @@ CELLS = [
         ### STUB raise NotImplementedError("rows = ceil(rows / world); this rank's rows of param on top, zero rows below")
     """),
     code("""
-    lab05.check_shard_param(shard_param, real=real_5x3)
+    lab05.check_shard_param(shard_param, real=real_5x3, param=weight_5x3)
     """),
     md("""
     ## 4. Why FSDP2 exists
@@ -261,36 +265,59 @@ CELLS = [
     files.savefig(fig, "life_of_a_step.png", dpi=90)
     """, tags=["nbval-ignore-output"]),
     code("""
-    print(f"{'moment (rank 0)':32} {'unsharded params':>17} {'sharded grads':>14}   MiB")
+    print(f"{'moment (rank 0)':32} {'unsharded params':>17} {'comm buffers':>13} {'sharded grads':>14}   MiB")
     for label, snap in r0["memory"]:
         if label.startswith(("forward layers", "backward layers", "optimizer step end")):
-            print(f"{label:32} {snap.get('unsharded_params', 0) / 2**20:17.3f} {snap.get('sharded_grads', 0) / 2**20:14.3f}")
+            print(f"{label:32} {snap.get('unsharded_params', 0) / 2**20:17.3f} "
+                  f"{snap.get('comm_buffers', 0) / 2**20:13.3f} {snap.get('sharded_grads', 0) / 2**20:14.3f}")
+    block_mib = sum(p.numel() for p in Llama("cpu", seed=0).layers[0].parameters()) * 4 / 2**20
+    print(f"one block: {block_mib:.3f} MiB gathered, {block_mib / 2:.3f} MiB shard per rank; the buffers of "
+          f"its all-gather (copy-in input + output): {1.5 * block_mib:.3f} MiB")
     """),
     md("""
     The table is the figure's samples at the blocks' boundaries. In forward, `unsharded_params` is the root
     (embeddings, final norm, output: kept gathered) plus one block at each block's start and only the root at
-    its end: each block is gathered before its forward and freed after it. In backward one block is gathered at
-    each of these moments, and `sharded_grads` grow block by block as the reduce-scatters finish. The timeline
-    shows each all-gather on the comm lane before the compute that uses it.
+    its end: each block is gathered before its forward and freed after it. In backward `unsharded_params`
+    holds one block beside the root at each of these moments, but that block is not the only one on the
+    rank. Its pre-backward hook has already issued the next block's all-gather (the prefetch), and from
+    `layers.3` to `layers.1` that all-gather's input and output, a shard plus a whole block (the last line),
+    wait in `comm_buffers` until the next block's backward starts and copies the parameters out. So in
+    backward a rank holds about two blocks' parameters, as FSDP1 does with `BACKWARD_PRE` (lab 04, section
+    4), counted here in two categories. From `layers.2` on, the block before's gradients wait in
+    `comm_buffers` too, as its reduce-scatter's input (one block more), and `sharded_grads` grow block by
+    block as the reduce-scatters finish. The timeline shows each all-gather on the comm lane before the
+    compute that uses it.
 
     ## 6. `reshard_after_forward`: memory against communication
 
     `True` frees each block after its forward and gathers it again in backward (more all-gathers, less
-    memory); `False` keeps every block gathered from its forward to its backward.
+    memory); `False` keeps every block gathered from its forward to its backward. The first column is the
+    peak of `unsharded_params` alone; the second adds `comm_buffers` at the same moment and takes the largest
+    sum over the moments of section 5's table, so it counts the prefetched block that waits in the
+    all-gather's buffers: with it, `True` saves less than the first column suggests.
     """),
     code("""
+    def with_buffers(memory):
+        return max(snap.get("unsharded_params", 0) + snap.get("comm_buffers", 0) for _, snap in memory)
+
     def summary(r):
-        return {"peak_unsharded": r["max"]["unsharded_params"],
+        return {"peak_unsharded": r["max"]["unsharded_params"], "with_buffers": with_buffers(r["memory"]),
                 "all_gathers": sum(name == "all_gather" for name, _ in r["comms"])}
 
     table = {True: summary(r0), False: summary(fsdp_lab.launch(one_step, False, world_size=2)[0])}
-    print(f"{'reshard_after_forward':>22} {'peak unsharded (MiB)':>21} {'all-gathers/step':>17}")
+    print(f"{'reshard_after_forward':>22} {'peak unsharded (MiB)':>21} {'+ comm buffers (MiB)':>21} "
+          f"{'all-gathers/step':>17}")
     for reshard, row in table.items():
-        print(f"{str(reshard):>22} {row['peak_unsharded'] / 2**20:21.3f} {row['all_gathers']:17d}")
+        print(f"{str(reshard):>22} {row['peak_unsharded'] / 2**20:21.3f} {row['with_buffers'] / 2**20:21.3f} "
+              f"{row['all_gathers']:17d}")
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
     labels = [str(k) for k in table]
-    axes[0].bar(labels, [v["peak_unsharded"] / 2**20 for v in table.values()], color="#4C72B0")
-    axes[0].set_title("peak unsharded params (MiB)")
+    bars = (("peak_unsharded", "unsharded params", "#2A4A80"), ("with_buffers", "+ comm buffers", "#8172B3"))
+    for i, (key, name, color) in enumerate(bars):
+        axes[0].bar([j + 0.4 * i for j in range(len(table))], [v[key] / 2**20 for v in table.values()], 0.4,
+                    color=color, label=name)
+    axes[0].set_xticks([j + 0.2 for j in range(len(table))], labels)
+    axes[0].set_title("peak (MiB)"); axes[0].legend(fontsize=7)
     axes[1].bar(labels, [v["all_gathers"] for v in table.values()], color="#DD8452")
     axes[1].set_title("all-gathers per step")
     for ax in axes:
@@ -343,9 +370,9 @@ CELLS = [
     code("""
     def render(world_size, wrapping, reshard_after_forward):
         runs = fsdp_lab.launch(one_step, reshard_after_forward, wrapping == "per block", world_size=world_size)
-        peak = runs[0]["max"]["unsharded_params"] / 2**20
+        peak, both = runs[0]["max"]["unsharded_params"] / 2**20, with_buffers(runs[0]["memory"]) / 2**20
         fig = draw(runs, f"{world_size} ranks, {wrapping}, reshard_after_forward={reshard_after_forward}")
-        return fig, f"peak unsharded params on rank 0: {peak:.2f} MiB"
+        return fig, f"peak unsharded params on rank 0: {peak:.2f} MiB; with comm buffers: {both:.2f} MiB"
 
     fig, text = render(2, "whole model", True)
     print(text)
@@ -361,8 +388,9 @@ CELLS = [
     """, tags=["nbval-ignore-output"]),
     md("""
     With the whole model as one group the peak of `unsharded_params` is the whole model: at that moment
-    sharding the parameters saves nothing (the gradients and the optimizer state stay sharded). One group per block keeps about one block (plus the root's embeddings and output)
-    gathered at a time.
+    sharding the parameters saves nothing (the gradients and the optimizer state stay sharded). One group
+    per block keeps one block (plus the root's embeddings and output) in `unsharded_params` at a time and,
+    in backward, the next block's all-gather in `comm_buffers` beside it (section 5's table).
 
     ## 9. Copy-in and copy-out of one group
 
@@ -441,14 +469,17 @@ CELLS = [
 
     * FSDP2 shards **each parameter** on dim 0 into a `DTensor` (`Shard(0)`); uneven rows are padded inside
       the rank's storage, never shown to the optimizer.
-    * FSDP2 exists for what a flat parameter cannot do: mixed dtypes and `requires_grad` in one group,
-      tensor subclasses such as NF4 that choose what they all-gather, sharded state dicts without
-      communication, and memory freed through events instead of `record_stream` (deterministic memory).
+    * FSDP2 exists for what PyTorch's FSDP1 flat parameter refuses: mixed dtypes, and mixed
+      `requires_grad` without `use_orig_params=True`; and for tensor subclasses such as NF4 that choose what
+      they all-gather, sharded state dicts without communication, and memory freed through events instead
+      of `record_stream` (deterministic memory).
     * Its price: a group's all-gather is copy-in → one collective → copy-out, and its reduce-scatter the
       reverse with the gradients; FSDP1's flat parameter needs no copy around the all-gather (its
       gradients are still concatenated or added into one flat gradient before the reduce-scatter). The
       unsharded parameter keeps its identity; only its storage comes and goes.
-    * `reshard_after_forward` trades memory (one block gathered at a time) for one more all-gather per block.
+    * `reshard_after_forward=True` trades memory for one more all-gather per block: each block is freed
+      after its forward, but in backward the prefetched block waits in the all-gather's buffers, so the
+      saving is smaller than `unsharded_params` alone shows (section 6).
     * fsdp_lab's `fully_shard` and PyTorch's give the same losses and the same sharded parameters.
 
     Read next: `fsdp_lab/fsdp2/param.py` (one parameter's life) and `docs/fsdp2.md`.
