@@ -28,7 +28,8 @@ CELLS = [
     statement of the task: replace the stub with your code, run the cell, then run the checking cell below
     it. The checker runs your code (on real ranks where it needs them) against an independent reference and
     says *correct*, *not solved yet*, or which mistake it sees. Solutions are in `labs/solutions/`;
-    `fsdp-lab lab reset 00` puts this notebook back the way it was shipped (your copy is kept as a backup).
+    `fsdp-lab lab reset 00` rebuilds this notebook from its source, stubs back and outputs cleared
+    (`--execute` runs it as well); the notebook it replaces is kept in `labs/.backup/`.
     """),
     code("""
     %matplotlib inline
@@ -144,17 +145,19 @@ CELLS = [
     The classic distributed bug: one rank skips a collective the others enter. The others wait forever —
     unless something stops them (if the skipping rank simply *exits*, its peers get a "connection closed"
     error instead, which `launch` reports like any failure). `launch` ends the run and reports, per rank,
-    the last collective it entered, which usually points straight at the mismatch. When every rank has
-    sat, unchanged for a short grace period, inside collectives that are not the same operation, none of
-    them can ever complete, so `launch` stops the ranks then; a hang it cannot recognise (a rank stuck in a loop, or one
-    that never enters the collective its peers wait in) ends at `timeout=…` seconds.
+    the last collective it entered, which usually points straight at the mismatch. It stops the ranks as
+    soon as it sees a deadlock it can prove: every rank waits inside its collective of the *same number*
+    (each rank's N-th collective, the same N on all ranks), those collectives are not all the same
+    operation, and nothing changes for a short grace period; such collectives can never complete. Any
+    other hang ends at `timeout=…` seconds: a rank stuck in a loop, a rank that never enters the
+    collective its peers wait in, or ranks that wait in collectives of different numbers.
 
     In that report `#N` numbers the collectives one rank has entered since it started, **of every kind**:
     `all_gather #2` means "rank 1's second collective, which was an all-gather" (its first all-gather),
     not "the second all-gather". Rank 0 is in its second collective, an all-reduce; rank 1 is in its
     second, an all-gather: the two ranks disagree about what collective #2 is — that is the bug.
     The timeout covers the whole launch, starting the ranks included, so it is generous here; this
-    deadlock is reported long before it.
+    deadlock is reported before it (the last line below).
     """),
     code("""
     def rank_1_skips_the_all_reduce():
@@ -172,6 +175,7 @@ CELLS = [
     except fsdp_lab.LaunchTimeout as error:
         for rank, last in enumerate(error.last_collectives):
             print(f"rank {rank} last entered: {last}")
+        print("stopped as a deadlock, before the timeout:", str(error).startswith("deadlock:"))
     """),
     md("""
     ## 5. Explore: world size and collective
@@ -229,12 +233,22 @@ CELLS = [
     md("""
     ## 7. Exercise: which elements does a rank own?
 
-    FSDP splits a tensor of `numel` elements into `world` contiguous shards of equal size, padding the end
-    so the sizes match (an all-gather needs equal shards). Write `shard_range(numel, rank, world)` returning
-    the `(start, end)` of the elements rank `rank` owns (end exclusive, as in `t[start:end]`); a rank that
-    owns only padding gets an empty range `(numel, numel)`. For 10 elements on 4 ranks each shard has 3
-    slots: rank 3 owns element 9 and two slots of padding. The check compares with the boundaries
-    fsdp_lab's own FSDP (lab 04) uses.
+    FSDP1 (lab 04) flattens a unit's parameters into one tensor of `numel` elements and splits it into
+    `world` contiguous shards of equal size, padding the end so the sizes match (an all-gather needs equal
+    shards). FSDP2 (lab 05) shards each parameter along its first dimension instead, by the same rule on
+    rows. Write `shard_range(numel, rank, world)` returning the `(start, end)` of the elements rank `rank`
+    owns (end exclusive, as in `t[start:end]`); a rank that owns only padding gets an empty range
+    `(numel, numel)`. Below, 10 elements on 4 ranks as FSDP1 lays them out: each shard has 3 slots, and
+    rank 3 owns element 9 and two slots of padding. The check compares with those boundaries.
+    """),
+    code("""
+    from fsdp_lab.fsdp1 import padded_numel, shard_boundaries   # FSDP1's layout, the check's reference
+    numel, world = 10, 4
+    slots = padded_numel(numel, world) // world
+    print(f"{numel} elements on {world} ranks: {slots} slots per rank")
+    for rank in range(world):
+        start, end = shard_boundaries([numel], world, rank)[0]
+        print(f"rank {rank}: elements {list(range(start, end))} + {slots - (end - start)} slots of padding")
     """),
     exercise("""
     def shard_range(numel, rank, world):
@@ -254,8 +268,9 @@ CELLS = [
     * A rank is one process of N; the process group is who takes part in a collective; every rank must
       call the same collectives in the same order.
     * `fsdp_lab.launch(fn, world_size=N)` runs notebook code on N ranks and returns their results.
-    * A failing rank is an error that names it; a mismatched collective is a `LaunchTimeout`, raised once
-      the ranks sit in collectives that differ (or at the timeout), that names each rank's last collective (`#N`: the rank's N-th collective of any kind) — nothing hangs.
+    * A failing rank is an error that names it; a mismatched collective is a `LaunchTimeout` that names
+      each rank's last collective (`#N`: the rank's N-th collective of any kind), raised once every rank
+      waits in its N-th collective and they differ, else at the timeout — nothing hangs.
     * A mean over ranks that hold different amounts of data needs the sum *and* the count reduced; the
       mean of the ranks' means is wrong as soon as they hold different amounts.
     * A sharded tensor gives each rank `ceil(numel / world)` slots, the last ones padding, so every shard
