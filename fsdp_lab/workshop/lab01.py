@@ -1,7 +1,8 @@
 """Checkers for lab 01 (collectives).
 
 * ``check_my_all_reduce(my_all_reduce)``: an all-reduce built from a reduce-scatter and an
-  all-gather. Reference: ``collectives.all_reduce`` on the same inputs, on the same ranks.
+  all-gather, recorded through ``fsdp_lab.collectives`` and sending what a ring all-reduce
+  sends. Reference: ``collectives.all_reduce`` on the same inputs, on the same ranks.
 * ``check_my_reduce_scatter(my_reduce_scatter)``: a reduce-scatter built from an all-reduce
   of a copy of ``t``: any collective but ``collectives.all_reduce`` and any change to ``t`` are
   mistakes. Reference: ``collectives.reduce_scatter_tensor``; the verdict also prices the
@@ -62,7 +63,13 @@ def _used(out) -> str:
                                 "(each rank then holds the sum of its chunk), then all-gather the "
                                 "shards back into t")
 def check_my_all_reduce(my_all_reduce):
-    """Run ``my_all_reduce(t)`` on 4 ranks and compare with ``collectives.all_reduce``."""
+    """Run ``my_all_reduce(t)`` on 4 ranks and compare with ``collectives.all_reduce``.
+
+    Only ``collectives.reduce_scatter_tensor`` and ``collectives.all_gather_into_tensor`` may
+    run, both must, and together they must send what a ring all-reduce of ``t`` sends per rank:
+    an answer that sums through ``torch.distributed`` directly (not recorded) or all-gathers whole
+    tensors and sums them locally gets the right values but is a mistake.
+    """
     out = launch(_run, my_all_reduce, "all_reduce", world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("my_all_reduce")
@@ -70,13 +77,46 @@ def check_my_all_reduce(my_all_reduce):
     if "all_reduce" in names:
         return mistake("used_all_reduce", f"your function called all_reduce ({_used(out)}); build "
                                           "it from reduce_scatter_tensor and all_gather_into_tensor")
-    right = all(_same(o["result"], o["reference"]) and _same(o["t"], o["reference"]) for o in out)
-    if right:
-        nbytes = dict(out[0]["comm"])
-        return correct(f"on {WORLD} ranks t holds the sum, as with all_reduce; you moved a "
-                       f"reduce-scatter and an all-gather of {nbytes.get('reduce_scatter', 0)} bytes "
-                       f"each, {out[0]['wire']} bytes sent per rank: what a ring all-reduce of that "
-                       "size sends, because a ring all-reduce is exactly these two steps")
+    if not names:
+        return mistake("no_collective", "no collectives.reduce_scatter_tensor or "
+                                        "collectives.all_gather_into_tensor was recorded "
+                                        "(torch.distributed's own calls are not seen), so the "
+                                        "exercise's two collectives were not used")
+    if names - {"reduce_scatter", "all_gather"}:
+        return mistake("used_other_collective", f"your function called {_used(out)}; build it "
+                                                "from reduce_scatter_tensor and "
+                                                "all_gather_into_tensor alone")
+    summed = all(_same(o["t"], o["reference"]) for o in out)
+    if summed and all(o["result"] is None for o in out):
+        return mistake("returned_none", "t holds the sum, but your function returned None",
+                       "end the function with return t")
+    size = WORLD * ELEMENTS_PER_RANK * 4
+    ring = round(2 * (WORLD - 1) / WORLD * size)  # bytes per rank of a ring all-reduce of t
+    wire = out[0]["wire"]
+    if summed and all(_same(o["result"], o["reference"]) for o in out):
+        if "reduce_scatter" not in names:
+            return mistake("no_reduce_scatter", f"t holds the sum, but without a reduce-scatter: "
+                                                f"{_used(out)} sent {wire} bytes per rank where a "
+                                                f"ring all-reduce of {size} bytes sends {ring}; "
+                                                "summing locally what was gathered whole moves "
+                                                "every rank's full tensor")
+        if wire != ring:
+            why = ("part of the sum went through calls that are not recorded (torch.distributed's "
+                   "own)" if wire < ring else "a reduce-scatter and an all-gather of t, once each, "
+                   "are all an all-reduce needs")
+            return mistake("wire_bytes", f"t holds the sum, but {_used(out)} sent {wire} bytes per "
+                                         f"rank where a ring all-reduce of {size} bytes sends "
+                                         f"{ring}: {why}")
+        rs, ag = ([b for name, b in out[0]["comm"] if name == which]
+                  for which in ("reduce_scatter", "all_gather"))
+        if len(rs) == len(ag) == 1:
+            moved = f"a reduce-scatter and an all-gather of {rs[0]} bytes each"
+        else:
+            moved = (f"{sum(rs)} bytes in {len(rs)} reduce-scatter{'s' * (len(rs) > 1)} and "
+                     f"{sum(ag)} in {len(ag)} all-gather{'s' * (len(ag) > 1)}")
+        return correct(f"on {WORLD} ranks t holds the sum, as with all_reduce; you moved {moved}, "
+                       f"{wire} bytes sent per rank: what a ring all-reduce of that size sends, "
+                       "because a ring all-reduce is exactly these two steps")
     first = out[0]
     if all(_same(o["result"], o["reference"]) for o in out):
         return mistake("not_in_place", "the sum is returned but t itself was not changed; "
