@@ -41,6 +41,48 @@ def test_plot_memory_curve_from_a_tracker():
         plot_memory_curve([])
 
 
+def area_at(ax, category, x):
+    """(bottom, top) of a category's stacked area at ``x``, from the drawn polygon's vertices."""
+    (area,) = [c for c in ax.collections if c.get_label() == category]
+    ys = [y for vx, y in area.get_paths()[0].vertices if vx == x]
+    return min(ys), max(ys)
+
+
+def test_plot_memory_curve_shows_the_last_snapshot_and_the_peak():
+    mib = 2**20
+    timeline = [("start", {"params": mib}), ("backward x end", {"params": mib, "grads": mib}),
+                ("end", {"params": mib, "grads": 0})]
+    ax = plot_memory_curve(timeline, peak={"params": mib, "grads": mib, "temporaries": mib},
+                           peak_label="backward x end")
+    # three snapshots, each one phase wide: the last spans [2, 3] and has no gradients left
+    assert ax.get_xlim() == (0, 3)
+    assert area_at(ax, "params", 3) == (0, 1)
+    bottom, top = area_at(ax, "grads", 3)
+    assert top == bottom == 1
+    assert area_at(ax, "grads", 1) == (1, 2)
+    # the peak falls between snapshots, above the curve: a dashed line at 3 MiB
+    (line,) = [l for l in ax.lines if l.get_linestyle() == "--"]
+    assert list(line.get_ydata()) == [3, 3]
+    assert "tracker's peak, 3.000 MiB after 'backward x end'" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close("all")
+    # a plain timeline, as before: no peak line
+    ax = plot_memory_curve(timeline, unit="KiB")
+    assert not [l for l in ax.lines if l.get_linestyle() == "--"] and area_at(ax, "params", 3) == (0, 1024)
+    plt.close("all")
+
+
+def test_plot_memory_curve_marks_a_results_own_peak():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with MemoryTracker(model) as mt:
+        model(torch.randn(4, 8)).sum().backward()
+    result = mt.result()
+    ax = plot_memory_curve(result, unit="B")
+    (line,) = [l for l in ax.lines if l.get_linestyle() == "--"]
+    assert list(line.get_ydata()) == [result.peak_total] * 2
+    assert ax.get_xlim() == (0, len(result.timeline))
+    plt.close("all")
+
+
 def test_plot_estimate_vs_measured_pairs_bars():
     ax = plot_estimate_vs_measured({"params": 2**20, "grads": 2**20}, {"params": 2**20, "grads": 2 * 2**20})
     assert bar_heights(ax) == [1, 1, 1, 2]  # estimate params, grads; measured params, grads

@@ -61,11 +61,11 @@ def test_model_states_reference_is_the_hand_count():
 
 # ----------------------------------------------------------------------------- activations
 
-def _formula(config, batch_size, seq_len, *, e=2, norm_fp32=4, lse=True, log_softmax=True):
+def _formula(config, batch_size, seq_len, *, e=2, norm_fp32=4, lse=True, log_softmax=True, ids=True):
     T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
     norm = norm_fp32 * T * d + 2 * e * T * d + 4 * T
     block = 2 * norm + 4 * e * T * d + (4 * T * h if lse else 0) + e * T * d + 4 * e * T * f
-    return config.n_layers * block + norm + (4 * T * V if log_softmax else 0) + 8 * T
+    return config.n_layers * block + norm + (4 * T * V if log_softmax else 0) + (8 * T if ids else 0)
 
 
 def test_predict_activations_verdicts():
@@ -77,4 +77,6 @@ def test_predict_activations_verdicts():
     assert check(lambda c, b, s: _formula(c, b, s, log_softmax=False)).mistake == "no_log_softmax"
     assert check(lambda c, b, s: _formula(c, b, s, lse=False)).mistake == "no_logsumexp"
     assert check(lambda c, b, s: _formula(c, b, s, norm_fp32=2)).mistake == "norm_copy_in_bf16"
+    no_ids = check(lambda c, b, s: _formula(c, b, s, ids=False))
+    assert no_ids.mistake == "no_input_ids" and "input ids the embedding saves" in no_ids.message
     assert check(lambda c, b, s: _formula(c, b, s, e=4, norm_fp32=4)).mistake in ("wrong_scale", "wrong_total")

@@ -18,7 +18,8 @@ the loss in float32, hence the 4s):
                   + e*T*d          (input of wo)
                   + 4*e*T*f        (SwiGLU: w1 out, w3 out, silu(w1 out), their product)
     whole model   = L * per block + RMSNorm (final; its output is the input of ``output``)
-                  + 4*T*V + 8*T (float32 log-softmax output and int64 labels kept by the loss)
+                  + 4*T*V (float32 log-softmax output kept by the loss)
+                  + 8*T (the int64 input ids the embedding saves for its weight's gradient)
 
 With activation checkpointing a block keeps only its input (e*T*d) and one block's full
 activations are recomputed at a time in backward. The loss gradient adds 8*T*V bytes
@@ -250,7 +251,8 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     grads = train_numel * g
     rope = 2 * config.max_seq_len * (config.head_dim // 2) * 4
     tokens = batch_size * seq_len
-    steady["other"] = rope + 8 * tokens  # rotary tables, input ids (int64)
+    # rotary tables and the int64 labels; the input ids count as activations (the embedding saves them)
+    steady["other"] = rope + 8 * tokens
 
     host = {}
     if cpu_offload:

@@ -60,29 +60,49 @@ def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None 
     return ax
 
 
-def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None = None, label_every: int = 0):
+def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None = None, label_every: int = 0,
+                      peak=None, peak_label: str | None = None):
     """Stacked area of categories over the phase boundaries of a MemoryTracker timeline
-    (``[(label, {category: bytes})]``, e.g. ``mt.timeline()`` or ``result.timeline``).
+    (``[(label, {category: bytes})]``, e.g. ``mt.timeline()``), or of a ``MemoryResult``
+    (``mt.result()``, what ``measure_step`` returns), whose own peak is then marked too.
 
+    Each snapshot holds until the next one; the last is drawn one phase wide, so what the step
+    ends with (e.g. gradients freed by ``zero_grad``) shows. ``peak`` (total bytes, or
+    {category: bytes} such as ``mt.peak()``) draws the tracker's peak as a dashed line, labelled
+    with ``peak_label`` (the phase it came after) when given: the tracker counts every
+    allocation, so its peak can fall between two snapshots, above the curve.
     ``label_every`` > 0 writes every n-th phase label on the x axis. Returns the Axes.
-    Raises ValueError for an empty timeline.
+    Raises ValueError for an empty timeline or an unknown category; KeyError for an unknown unit.
     """
+    if hasattr(timeline, "timeline"):  # a MemoryResult: its peak unless one is given
+        if peak is None:
+            peak, peak_label = timeline.peak, peak_label or timeline.peak_label
+        timeline = timeline.timeline
     if not timeline:
         raise ValueError("plot_memory_curve needs a non-empty timeline [(label, {category: bytes})]")
+    scale = UNITS[unit]
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 4))
     snaps = [_values(s) for _, s in timeline]
-    xs = list(range(len(snaps)))
+    # with step="post" a point holds until the next x: repeat the last one so it has a width too
+    xs = list(range(len(snaps) + 1))
     cats = _used(snaps)
-    ax.stackplot(xs, *[[s.get(c, 0) / UNITS[unit] for s in snaps] for c in cats],
+    ax.stackplot(xs, *[[s.get(c, 0) / scale for s in snaps + snaps[-1:]] for c in cats],
                  labels=cats, colors=[COLORS[c] for c in cats], step="post")
+    ax.set_xlim(0, len(snaps))
+    if peak is not None:
+        total = sum(_values(peak).values()) if isinstance(peak, dict) else peak
+        where = f" after '{peak_label}'" if peak_label else ""
+        ax.axhline(total / scale, color="black", lw=1, ls="--",
+                   label=f"tracker's peak, {total / scale:.3f} {unit}{where}")
     # shade the backward phase so the shape of a step reads at a glance
     back = [i for i, (label, _) in enumerate(timeline) if label.startswith("backward")]
     if back:
         ax.axvspan(back[0], back[-1], color="black", alpha=0.06, lw=0)
-        ax.text(back[0], ax.get_ylim()[1] * 0.97, " backward", va="top", fontsize=8)
+        # below the top, where a peak line may run
+        ax.text(back[0], ax.get_ylim()[1] * 0.91, " backward", va="top", fontsize=8)
     if label_every:
-        ticks = xs[::label_every]
+        ticks = xs[:-1][::label_every]
         ax.set_xticks(ticks)
         ax.set_xticklabels([timeline[i][0] for i in ticks], rotation=60, ha="right", fontsize=7)
     else:

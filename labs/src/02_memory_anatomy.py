@@ -103,6 +103,8 @@ CELLS = [
                   batch_size=1, seq_len=4096)
     print(f"mixed precision, FSDP2 on 8 GPUs: {z3.model_states / GB:.2f} GB per GPU; "
           f"the ZeRO paper's stage 3, (2+2+12)P/N = {deepspeed_model_states(P, 8, 3) / GB:.2f} GB")
+    print(f"bytes per parameter: {(s['params'] + s['grads'] + s['optimizer_state']) / P:.1f} with bf16 "
+          f"everything, {z3.model_states * 8 / P:.1f} with mixed precision (before dividing by 8 GPUs)")
     """),
     md("""
     ## 3. Measure one training step on CPU
@@ -161,12 +163,20 @@ CELLS = [
     optimizer step. Activations build up through forward and drain through backward while gradients
     appear. Through the optimizer step parameters, gradients and state are all alive at once (the
     for-loop AdamW's per-parameter temporaries come and go between its two snapshots), and
-    `zero_grad(set_to_none=True)` then frees the gradients.
+    `zero_grad(set_to_none=True)` then frees the gradients: the last snapshot, the rightmost step of the
+    curve, holds none. The dashed line is the tracker's peak of section 3. The tracker counts every
+    allocation, not only those alive at a phase boundary, and this peak falls between two snapshots, so
+    the highest snapshot stays below it (both printed below).
     """),
     code("""
     timeline = mt.timeline()
     print(len(timeline), "phase boundaries, e.g.:", [label for label, _ in timeline[:4]])
-    ax = plot_memory_curve(timeline, unit="MiB", label_every=3)
+    last_label, last = timeline[-1]
+    print(f"gradients at the last snapshot, '{last_label}': {last.get('grads', 0)} bytes")
+    highest = max(sum(snap.values()) for _, snap in timeline)
+    print(f"highest snapshot {highest / MiB:.3f} MiB; tracker's peak {mt.peak_total() / MiB:.3f} MiB, "
+          f"after '{mt.result().peak_label}'")
+    ax = plot_memory_curve(mt.result(), unit="MiB", label_every=3)   # a result: its peak is marked
     files.savefig(ax.figure, "memory_over_one_step.png", dpi=100, bbox_inches="tight")
     """),
     md("""
@@ -192,7 +202,8 @@ CELLS = [
 
     Sum per block: `2*(4Td + 2eTd + 4T) + 4eTd + 4Th + eTd + 4eTf`. Rotary embeddings save only their constant
     cos/sin tables; residual additions save nothing; the fused attention kernel saves no T x T matrix. The
-    model adds one final RMSNorm, the float32 log-softmax of the loss (4TV) and the int64 labels (8T).
+    model adds one final RMSNorm, the float32 log-softmax of the loss (4TV) and the int64 input ids the
+    embedding saves (8T).
     `activation_bytes` in the estimator is this formula; we measure the activations after forward only.
     """),
     code("""
@@ -349,9 +360,11 @@ CELLS = [
     ## 8. Explore
 
     Change the model, world size, strategy, dtypes, batch, sequence length, checkpointing, offload or QLoRA;
-    the bars are the estimate for one rank. **measure** runs the same step for real on the CPU model
-    (real ranks up to 4, a simulated world beyond) and overlays it hatched. The static figure below is the
-    same plot for Llama-2-7B with FSDP2 on 8 GPUs, with and without activation checkpointing.
+    the bars are the estimate for one rank. **measure** runs a real AdamW step and overlays it hatched,
+    but only for a `cpu` model (pick one first: the explorer opens on Llama-2-7B, which it refuses as too
+    big) and not for QLoRA, CPU offload or `fsdp1_hybrid_shard`; it uses real ranks up to 4 and a
+    simulated world beyond, and says in red next to the button what it refused. The static figure below is
+    the same plot for Llama-2-7B with FSDP2 on 8 GPUs, with and without activation checkpointing.
     """),
     code("""
     explorer = MemoryExplorer(model="llama2-7b", world_size=8, strategy="fsdp2", param_dtype="bfloat16",
@@ -374,8 +387,9 @@ CELLS = [
     Write `predict_activations(config, batch_size, seq_len)`: the bytes this Llama saves for backward
     during one forward in **bfloat16** (e = 2 bytes; RMSNorm still keeps a float32 copy of its input and
     the loss a float32 log-softmax). Use the per-block table of section 5 and add the final RMSNorm,
-    the log-softmax (4*T*V) and the int64 labels (8*T). The check measures two shapes and accepts your
-    prediction to within a few bytes (the loss's scalars, which the formula leaves out).
+    the log-softmax (4*T*V) and the int64 input ids the embedding saves (8*T). The check measures two
+    shapes and accepts your prediction to within a few bytes (the loss's scalars, which the formula
+    leaves out).
     """),
     exercise("""
     def predict_activations(config, batch_size, seq_len):
