@@ -111,6 +111,14 @@ def test_explorer_redraws_on_change_and_overlays_a_measurement():
     ex.controls["qlora"].value = True
     ex.measure()
     assert "QLoRA" in ex.status.value
+    ex.controls["qlora"].value = False
+    for control, value, fix in (("optimizer", "sgd", "set optimizer to adamw"),
+                                ("grad_dtype", "bfloat16", "set grads to same")):
+        before = ex.controls[control].value
+        ex.controls[control].value = value  # a setup measure_step does not run: refused, not mislabelled
+        ex.measure()
+        assert fix in ex.status.value
+        ex.controls[control].value = before
     with pytest.raises(ValueError, match="unknown control"):
         MemoryExplorer(colour="red")
 

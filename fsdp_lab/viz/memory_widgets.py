@@ -27,11 +27,18 @@ def measure(settings: dict, simulated: bool | None = None):
     """Measure rank 0's peak for ``settings`` (the explorer's control values) on the "cpu"-sized
     model given there; returns a MemoryResult. Runs ``world_size`` real ranks with
     ``fsdp_lab.launch`` up to MEASURE_MAX_WORLD, else (or with ``simulated=True``) rank 0 of a
-    simulated world. Raises ValueError for what cannot be measured (QLoRA, offload, big models).
+    simulated world. Raises ValueError for what cannot be measured (QLoRA, offload, big models),
+    and for an optimizer or gradient dtype other than the measured step's (AdamW, gradients in
+    the parameters' dtype), so a measurement is never drawn beside the estimate of another setup.
     """
     if settings["qlora"] or settings["cpu_offload"]:
         raise ValueError("measuring QLoRA or CPU offload is not wired into the explorer; "
                          "see the QLoRA lab for a measured QLoRA step")
+    if settings.get("optimizer", "adamw") != "adamw":
+        raise ValueError(f"measure runs plain AdamW, not {settings['optimizer']}: set optimizer to adamw")
+    if settings.get("grad_dtype", "same") not in ("same", settings["param_dtype"]):
+        raise ValueError(f"measure keeps gradients in the parameters' dtype ({settings['param_dtype']}), "
+                         f"not {settings['grad_dtype']}: set grads to same")
     if not settings["model"].startswith("cpu"):
         raise ValueError(f"{settings['model']} is too big to run here: measure a 'cpu' config")
     n = settings["world_size"]
