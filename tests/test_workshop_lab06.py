@@ -103,8 +103,11 @@ def test_reduce_grad_shard_verdicts(reduce_launch, monkeypatch):
     right = lab06.check_reduce_grad_shard(solution)
     # 8 elements: 32 bytes in float32, 16 in bf16 per reduce-scatter
     assert right.solved and "moved 16 bytes per reduce-scatter instead of 32" in right.message
+    # the error has two sources: each rank's gradient rounded to bf16, and the bf16 sum across ranks
+    assert "rounded to bf16 and the ranks' contributions summed in bf16" in right.message
     direct = lab06.check_reduce_grad_shard(torch_distributed)
     assert direct.solved and "torch.distributed" in direct.message
+    assert "rounded to bf16 and the ranks' contributions summed in bf16" in direct.message
     for name, answer in REDUCE_WRONG.items():
         assert lab06.check_reduce_grad_shard(answer).mistake == name, name
 
@@ -152,3 +155,11 @@ def test_unscale_and_check_verdicts(scale_launch, monkeypatch):
     assert right.solved and "divided by 1024" in right.message
     for name, answer in SCALE_WRONG.items():
         assert lab06.check_unscale_and_check(answer).mistake == name, name
+
+
+def test_policy_losses_header_names_the_last_step(capsys):
+    table = {"fp32": {"losses": [6.0, 4.0, 3.0]}, "bf16": {"losses": [6.0, 4.1, 3.1]}}
+    lab06.print_policy_losses(table, {"bf16": 0.1})
+    lines = capsys.readouterr().out.splitlines()
+    assert "loss@1  loss@3 |" in lines[0] and "loss@50" not in lines[0]
+    assert lines[2].endswith("≈3.1000 | ≈1.00e-01")

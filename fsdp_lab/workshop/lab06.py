@@ -118,8 +118,9 @@ def check_reduce_grad_shard(reduce_grad_shard):
     error = (summed_in_bf16 - total / WORLD).abs().max().item()
     if not names:
         # torch.distributed's own calls are right too, but only fsdp_lab.collectives shows the bytes sent
-        return correct(f"on {WORLD} ranks each shard is the mean gradient, and with a bf16 wire the sum "
-                       f"across ranks ran in bf16 (off the float32 mean by up to {error:.1e}). Your calls "
+        return correct(f"on {WORLD} ranks each shard is the mean gradient; with a bf16 wire each rank's gradient "
+                       f"was rounded to bf16 and the ranks' contributions summed in bf16 (off the float32 mean by "
+                       f"up to {error:.1e}). Your calls "
                        "went straight to torch.distributed, which the Timeline cannot see: with "
                        "fsdp_lab.collectives.reduce_scatter_tensor the check would also count the bytes "
                        "each wire moves")
@@ -130,9 +131,9 @@ def check_reduce_grad_shard(reduce_grad_shard):
                                           "1/N shard of it", hint="reduce_scatter_tensor gives each rank only "
                                                                   "its shard")
     return correct(f"on {WORLD} ranks each shard is the mean gradient; the bf16 wire moved {sent['bfloat16']} "
-                   f"bytes per reduce-scatter instead of {sent['float32']}, and because the sum across ranks "
-                   f"ran in bf16 the shard is off the float32 mean by up to {error:.1e}: float32 accumulation "
-                   "afterwards cannot remove that rounding")
+                   f"bytes per reduce-scatter instead of {sent['float32']}, and because each rank's gradient was "
+                   f"rounded to bf16 and the ranks' contributions summed in bf16, the shard is off the float32 "
+                   f"mean by up to {error:.1e}: float32 accumulation afterwards cannot remove that rounding")
 
 
 # ----------------------------------------------------------------------------- loss scaling
@@ -325,12 +326,13 @@ def print_policy_ratios(table: dict) -> None:
 
 
 def print_policy_losses(table: dict, gap: dict) -> None:
-    """Print each policy's first and last loss and its largest distance from the reference
-    (``gap``: {policy: largest |loss - fp32 loss|}; the reference has no entry). Raises KeyError
-    for a row without "losses"."""
+    """Print each policy's first and last loss (the header names the last step, the length of the
+    longest loss list) and its largest distance from the reference (``gap``: {policy: largest
+    |loss - fp32 loss|}; the reference has no entry). Raises KeyError for a row without "losses"."""
     # ≈: bf16/fp16 digits that depend on the CPU's matrix kernels (oneDNN's AMX or AVX-512 BF16 where
     # the CPU has them, PyTorch's own elsewhere); labs/nbval_sanitize.cfg leaves them out of the comparison
-    print(f"{'policy':>30} | {'loss@1':>7} {'loss@50':>7} | largest |loss - fp32 loss|")
+    last_step = f"loss@{max(len(row['losses']) for row in table.values())}"
+    print(f"{'policy':>30} | {'loss@1':>7} {last_step:>7} | largest |loss - fp32 loss|")
     for name, row in table.items():
         first, last = row["losses"][0], row["losses"][-1]
         print(f"{name:>30} | {'≈%.4f' % first:>7} {'≈%.4f' % last:>7} | "

@@ -52,16 +52,17 @@ CELLS = [
     ## 1. The bytes of each dtype
 
     A dtype is a trade: bytes per number against fraction bits (precision) and exponent bits (range).
-    The table reads both from `torch.finfo`: the stored fraction bits are log2(1/eps), and a normal
-    number has one more bit of precision, the implicit leading 1.
+    The table reads them from `torch.finfo`: the stored fraction bits are log2(1/eps), the exponent bits
+    are the rest after the sign bit, and a normal number has one more bit of precision, the implicit 1.
     """),
     code("""
     short = lambda d: str(d).replace("torch.", "")
-    print(f"{'dtype':>9} {'bytes':>5} {'fraction bits':>13} {'eps (1 ulp at 1.0)':>19} {'smallest normal':>15} {'max':>10}")
+    print(f"{'dtype':>9} {'bytes':>5} {'fraction bits':>13} {'exponent bits':>13} {'eps (1 ulp at 1.0)':>19} {'smallest normal':>15} {'max':>12}")
     for dtype in (torch.float64, FP32, BF16, FP16):
         info = torch.finfo(dtype)
-        print(f"{short(dtype):>9} {info.bits // 8:5d} {round(-math.log2(info.eps)):13d} {info.eps:19.3g} "
-              f"{info.smallest_normal:15.3g} {info.max:10.3g}")
+        fraction = round(-math.log2(info.eps))
+        print(f"{short(dtype):>9} {info.bits // 8:5d} {fraction:13d} {info.bits - 1 - fraction:13d} {info.eps:19.3g} "
+              f"{info.smallest_normal:15.3g} {info.max:12.6g}")
 
     # what 7 stored fraction bits do to a running sum: add 0.001 a thousand times
     for dtype in (FP32, BF16):
@@ -74,7 +75,7 @@ CELLS = [
     bf16 keeps float32's 8 exponent bits (the same range) and stores 7 fraction bits (8 bits of
     precision with the implicit 1). fp16 stores 10 fraction bits but only 5 exponent bits: it overflows
     above 65504, and gradients below its smallest normal lose precision, then flush to zero — fp16
-    training needs **loss scaling** (section 6); bf16 does not.
+    training needs **loss scaling** (section 7); bf16 does not.
 
     In bf16 the running sum stops growing once 0.001 is below half an ulp of the total: this is why
     **where gradients are accumulated** matters as much as what they are computed in.
@@ -99,9 +100,11 @@ CELLS = [
     | `main_grads_dtype` | accumulation across microbatches | float32 |
     | `grad_comm_dtype` | the wire: reduce-scatter / all-reduce | `reduce_dtype`, else `param_dtype`, else own |
 
-    The defaults differ from Megatron-FSDP's: there `main_grads_dtype=None` means "the dtype of the
-    compute parameters" and `grad_comm_dtype=None` means "the model's own gradient dtype". The helpers in `fsdp_lab.precision` resolve
-    the four for a parameter of a given dtype:
+    `None` means something else in Megatron-FSDP (`main_grads_dtype=None`: the compute dtype;
+    `grad_comm_dtype=None`: the model's own gradient dtype); here it means PyTorch's behaviour. Megatron-LM's
+    `megatron_fsdp/mp_policy.py` also defaults `grad_comm_dtype` to bf16 and adds `grad_accum_dtype`, the
+    dtype the reduction itself runs in, which this lab cannot offer (below). The helpers in
+    `fsdp_lab.precision` resolve the four for a parameter of a given dtype:
     """),
     code("""
     def resolve(policy, own=FP32):
@@ -268,7 +271,7 @@ CELLS = [
     plt.show()
     reference = table["fp32"]["losses"]
     gap = {name: max(abs(a - b) for a, b in zip(row["losses"], reference)) for name, row in table.items() if name != "fp32"}
-    print("every policy within 0.1 of the fp32 loss at every one of the 50 steps:", all(v < 0.1 for v in gap.values()))
+    print(f"every policy within 0.1 of the fp32 loss at every one of the {len(reference)} steps:", all(v < 0.1 for v in gap.values()))
     lab06.print_policy_ratios(table)
     """),
     code("""
