@@ -172,8 +172,8 @@ CELLS = [
     current unit as soon as its gradients are computed and only then issues the next all-gather
     (`_post_backward` in `fsdp_lab/fsdp1/runtime.py`): no extra unit at the peak. PyTorch's documentation adds
     that it overlaps less on a GPU, because that all-gather cannot run under the current unit's gradient
-    computation; on gloo, where each op runs when it is issued, the overlap the explorer below prints can come
-    out the other way. The order of events shows where each setting issues the all-gather:
+    computation; on gloo, where each op runs when it is issued, the overlap (in the explorer's timeline
+    titles, section 11) can come out the other way. The order of events shows where each setting gathers:
     """),
     code("""
     for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none"]:
@@ -183,12 +183,12 @@ CELLS = [
     """),
     code("""
     block_mib, root_mib = block_bytes / 2**20, root_bytes / 2**20
-    print(f"{'run':28} {'peak unsharded MiB':>19} {'= root + blocks':>16} {'peak comm buffers MiB':>22}")
+    print(f"{'run':28} {'peak unsharded MiB':>19} {'= root + blocks':>16} {'peak comm buffers MiB':>22} {'peak total MiB':>15}")
     for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none", "fsdp2 block", "fsdp2 block no-prefetch",
                  "fsdp2 block keep-gathered"]:
         row = table.row(name)
         mib = row["peak_unsharded_mib"]
-        print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f} {row['peak_comm_mib']:22.3f}")
+        print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f} {row['peak_comm_mib']:22.3f} {row['peak_total_mib']:15.3f}")
     extra = table.row("fsdp2 block")["peak_comm_mib"] - table.row("fsdp2 block no-prefetch")["peak_comm_mib"]
     print(f"fsdp2's prefetch holds {extra / block_mib:.1f} block(s) more in comm buffers at the peak than no prefetch")
     """),
@@ -196,10 +196,10 @@ CELLS = [
     `BACKWARD_PRE` holds two blocks at its peak (this one and the prefetched next one); `BACKWARD_POST` and
     `None` one each, `BACKWARD_POST` because it frees this block before gathering the next. FSDP2's prefetched
     all-gather lands in its comm buffer (`comm_buffers`) and becomes `unsharded_params` only when waited for,
-    so its cost shows in the last column (compare `fsdp2 block` with `fsdp2 block no-prefetch`, the last line)
-    and in the peak total — and in the synchronous run above, which waits for the prefetch at once: two blocks
-    of `unsharded_params`. Keeping everything gathered (`reshard_after_forward=False`) holds every block but
-    saves one all-gather per block per step.
+    so its cost shows in the comm-buffer column (compare `fsdp2 block` with `fsdp2 block no-prefetch`, the
+    last line) and in the peak total beside it — and in the synchronous run above, which waits for the
+    prefetch at once: two blocks of `unsharded_params`. Keeping everything gathered
+    (`reshard_after_forward=False`) holds every block but saves one all-gather per block per step.
 
     ## 5. Exercise: the backward order of each prefetch setting
 
@@ -412,9 +412,9 @@ CELLS = [
     held from the start of this one, through forward and backward. Printed beside each peak is the last phase
     boundary before it. Forward and backward are the same for all three implementations, so a peak that falls
     there cannot tell them apart; what each allocates in `optimizer.step()` (the foreach and fused kernels
-    work on many tensors at once) shows in the peak only when the peak falls inside the step. (The repeats
-    show whether the peaks themselves vary from run to run: they include communication buffers whose lifetime
-    depends on when gloo finishes.)
+    work on many tensors at once) shows in the peak only when the peak falls inside the step. (The line under
+    the peaks says whether any of them varied between repeats: communication buffers are given back on the
+    training thread, section 2, so the peaks do not depend on when gloo's threads finish.)
 
     ## 11. Explore: two configurations, one above the other
 
