@@ -109,3 +109,34 @@ def test_shortest_times_ratios_to_the_last_call(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "a      3.00 ms" and lines[2] == "ref    1.00 ms"
     assert lines[3] == "time / ref's: a 3.0x; b 1.5x"
+
+
+def test_recorded_compile_ratios_name_both_shapes(tmp_path, capsys):
+    path = tmp_path / "nf4_compile.json"
+    path.write_text('{"device": "cpu", "shape": [2048, 2048], "ratio_eager_gather_over_compiled": 0.9672, '
+                    '"ratio_eager_elementwise_over_compiled": 6.942}')
+    lab08.print_recorded_compile_ratios(path, torch.Size([1024, 1024]))
+    assert capsys.readouterr().out == (
+        "recorded by benchmarks/nf4_compile.py on cpu, a 2048 x 2048 weight (this lab times 1024 x 1024): "
+        "time / compiled's: eager (gather form) 0.97x; eager (element-wise form) 6.9x\n")
+
+
+def test_published_against_estimates_prints_the_estimates_shares(tmp_path, capsys):
+    from fsdp_lab.memory.estimate import Breakdown
+    gib = 2**30
+
+    def made_up(activations, temporaries, rest):
+        return Breakdown(bytes={"activations": activations * gib, "temporaries": temporaries * gib,
+                                "quantized": rest * gib}, phase="forward_end")
+
+    published = {"talk, FSDP1 + bitsandbytes": 12.88, "talk, FSDP2 + torchao NF4": 12.60,
+                 "Answer.AI (rank 64), peak reserved": 4.98}
+    lab08.print_published_against_estimates(published, {"fsdp2": made_up(6, 3, 3)},
+                                            {8: made_up(0.5, 0.5, 1), 64: made_up(1, 0, 3)},
+                                            fake_tensor_results=str(tmp_path / "missing.json"))
+    lines = capsys.readouterr().out.splitlines()
+    assert "estimate of live bytes, fsdp2" in lines[3] and lines[3].endswith("12.00 GiB")
+    assert lines[-2] == ("published minus estimate: 0.98 GiB at batch 1 x 512 (rank 64); +0.60 GiB for the "
+                         "talk's FSDP2 figure")
+    assert lines[-1] == ("share of the estimate (FSDP2): activations 50%, temporaries 25% at batch 8 x 2048; "
+                         "activations 25%, temporaries 0% at batch 1 x 512 (rank 64)")

@@ -10,7 +10,8 @@
   update.
 
 The lab's figures, tables and the explorer's figure are drawn here too (``plot_codebook_over_normal``,
-``print_memory_at_rest``, ``plot_qlora_two_ranks``, ``print_published_against_estimates``,
+``print_memory_at_rest``, ``print_recorded_compile_ratios``, ``plot_qlora_two_ranks``,
+``print_published_against_estimates``, ``print_bitsandbytes_buffers``,
 ``draw_7b_states``, ``print_adapters_against_frozen``), with the timing
 and gathered-bytes helpers ``shortest_time`` and ``bytes_still_gathered``; the notebook keeps the
 quantization, the runs and the arithmetic they draw.
@@ -231,6 +232,20 @@ def print_shortest_times(calls: dict) -> None:
                                                    for label in others))
 
 
+def print_recorded_compile_ratios(path, lab_shape) -> None:
+    """Print the ratios ``benchmarks/nf4_compile.py`` recorded in the JSON file ``path`` (each eager
+    form's time / the compiled time), with the device and the weight shape they were measured on,
+    and ``lab_shape``, the shape the lab times. Raises FileNotFoundError without the file, KeyError
+    for a file without the ratios, the device or the shape."""
+    with open(path) as fh:
+        recorded = json.load(fh)
+    shape = " x ".join(str(n) for n in recorded["shape"])
+    print(f"recorded by benchmarks/nf4_compile.py on {recorded['device']}, a {shape} weight (this lab times "
+          f"{' x '.join(str(n) for n in lab_shape)}): time / compiled's: eager (gather form) "
+          f"{recorded['ratio_eager_gather_over_compiled']:.2f}x; eager (element-wise form) "
+          f"{recorded['ratio_eager_elementwise_over_compiled']:.1f}x")
+
+
 def bytes_still_gathered(model) -> int:
     """Bytes held by the all-gather outputs of every FSDP2 group in ``model`` (0 once every group
     has resharded). Reads FSDP2's per-module state (``_fsdp_state``): a module without a group
@@ -264,23 +279,30 @@ ANSWER_AI = "Answer.AI (rank 64), peak reserved"
 TALK = ("talk, FSDP1 + bitsandbytes", "talk, FSDP2 + torchao NF4")
 
 
+def _share(breakdown, category: str) -> float:
+    return breakdown.bytes.get(category, 0) / breakdown.total
+
+
 def print_published_against_estimates(published: dict, talk_estimate: dict, small_batch_estimate: dict,
                                       fake_tensor_results: str) -> None:
     """Print the published Llama-2-7B QLoRA figures (GiB) beside the estimates of live bytes:
     ``published`` {label: GiB} with the two talk figures and Answer.AI's; ``talk_estimate``
-    {strategy: GiB} at batch 8 x 2048, rank 8; ``small_batch_estimate`` {LoRA rank: GiB} at batch
-    1 x 512, ranks 8 and 64. The fake-tensor runs of ``benchmarks/qlora_7b.py`` are added from the
+    {strategy: Breakdown} at batch 8 x 2048, rank 8, with an "fsdp2" entry; ``small_batch_estimate``
+    {LoRA rank: Breakdown} at batch 1 x 512, with a rank 64 entry (Breakdowns from
+    ``fsdp_lab.memory.estimate.estimate``). Then the share of activations and temporaries in the
+    FSDP2 / rank-64 estimates. The fake-tensor runs of ``benchmarks/qlora_7b.py`` are added from the
     JSON file ``fake_tensor_results`` (a path); without it a line says how to make it. Raises
-    KeyError for a missing figure."""
+    KeyError for a missing figure or estimate."""
+    gib = {key: b.total / 2**30 for key, b in [*talk_estimate.items(), *small_batch_estimate.items()]}
     print("batch 8 x 2048, rank 8")
     for label in TALK:
         print(f"  {'published: ' + label:<50}{published[label]:6.2f} GiB")
-    for strategy, gib in talk_estimate.items():
-        print(f"  {'estimate of live bytes, ' + strategy:<50}{gib:6.2f} GiB")
+    for strategy in talk_estimate:
+        print(f"  {'estimate of live bytes, ' + strategy:<50}{gib[strategy]:6.2f} GiB")
     print("batch 1 x 512")
     print(f"  {'published: ' + ANSWER_AI:<50}{published[ANSWER_AI]:6.2f} GiB")
-    for rank, gib in small_batch_estimate.items():
-        print(f"  {f'estimate of live bytes, rank {rank}':<50}{gib:6.2f} GiB")
+    for rank in small_batch_estimate:
+        print(f"  {f'estimate of live bytes, rank {rank}':<50}{gib[rank]:6.2f} GiB")
     if os.path.exists(fake_tensor_results):
         with open(fake_tensor_results) as fh:
             saved = json.load(fh)
@@ -291,8 +313,12 @@ def print_published_against_estimates(published: dict, talk_estimate: dict, smal
                       f"≈{saved[f'fake_tensor_run_{strategy}']['peak_gib']:.2f} GiB")
     else:
         print(f"  (no fake-tensor runs: {fake_tensor_results} is missing; python benchmarks/qlora_7b.py writes it)")
-    print(f"published minus estimate: {published[ANSWER_AI] - small_batch_estimate[64]:.2f} GiB at batch 1 x 512 "
-          f"(rank 64); {published[TALK[1]] - talk_estimate['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
+    print(f"published minus estimate: {published[ANSWER_AI] - gib[64]:.2f} GiB at batch 1 x 512 "
+          f"(rank 64); {published[TALK[1]] - gib['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
+    big, small = talk_estimate["fsdp2"], small_batch_estimate[64]
+    print(f"share of the estimate (FSDP2): activations {_share(big, 'activations'):.0%}, temporaries "
+          f"{_share(big, 'temporaries'):.0%} at batch 8 x 2048; activations {_share(small, 'activations'):.0%}, "
+          f"temporaries {_share(small, 'temporaries'):.0%} at batch 1 x 512 (rank 64)")
 
 
 def print_bitsandbytes_buffers(config) -> None:

@@ -86,8 +86,9 @@ CELLS = [
     ## 3. Quantize a block by hand, then with the library
 
     A block of 64 values is divided by its absolute maximum, each value replaced by the index of the nearest
-    code. Dequantizing multiplies the code value by the block's scale. (The argmin of distances below is fine
-    for this block, which holds no value exactly halfway between two codes; section 10 shows where it is not.)
+    code. Dequantizing multiplies the code value by the block's scale. (The argmin below gives the library's
+    codes for this block; at an exact midpoint the library takes the lower code, but the two float32 distances
+    argmin compares can round unequal: the last line counts the midpoints it sends up. See section 10.)
     """),
     code("""
     torch.manual_seed(0)
@@ -103,6 +104,8 @@ CELLS = [
     error = (NF4_CODEBOOK[library] * absmax - block).abs().max() / absmax
     bound = ((NF4_CODEBOOK[1:] - NF4_CODEBOOK[:-1]).max() / 2).item()
     print(f"largest error / absmax: {error.item():.4f} (bound: half the widest gap, {bound:.4f})")
+    ties = ((NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2)[:, None] - NF4_CODEBOOK[None, :]   # midpoint minus code
+    print("midpoints argmin sends to the upper code:", int((ties.abs().argmin(dim=1) != torch.arange(15)).sum()), "of 15")
     """),
     md("""
     ### Packing: two codes per byte
@@ -139,11 +142,9 @@ CELLS = [
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
     the 16-entry code book, multiply by its block's absmax, cast. Eagerly that is several kernels and
     full-size temporaries; `torch.compile` fuses them into one loop. It works on CPU too (inductor writes
-    C++): the recorded benchmark (`benchmarks/nf4_compile.py`, in docs/benchmarks.md) has the compiled loop
-    several times faster than the eager element-wise form it compiles and about as fast as the eager gather
-    form; the cell below prints this run's ratios. On GPUs, where each eager kernel launch and temporary
-    costs more, fusing pays more. The compiled function must give the same values, bit for bit; the times
-    are this machine's and are not compared.
+    C++). The compiled function must give the same values, bit for bit. The cell below also prints the ratios
+    recorded by `benchmarks/nf4_compile.py` (docs/benchmarks.md) and their weight shape; the next cell times
+    this lab's weight here (not compared).
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -153,6 +154,7 @@ CELLS = [
     eager_out = dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16)
     compiled_out = compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)      # the first call compiles
     print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
+    lab08.print_recorded_compile_ratios(files.labs.parent / "benchmarks/results/nf4_compile_cpu.json", w.shape)
     """),
     code("""
     lab08.print_shortest_times({     # the last one is the reference of the ratios
@@ -366,9 +368,10 @@ CELLS = [
     print("layers.0 all-gathers in one step (dtype, bytes):", runs1[0][1])
     """),
     md("""
-    Each flat parameter is gathered in forward and again in backward. A flat parameter holds one dtype and one
-    `requires_grad`, so the frozen float32 norms and the trainable float32 adapters are two of them; then come
-    the codes (values/2 bytes), the int8 scales (values/64) and the float32 factors and means.
+    Each flat parameter is gathered in forward and again in backward. fsdp_lab's FSDP1 keeps one dtype and one
+    `requires_grad` per flat parameter (PyTorch's allows mixed `requires_grad` with `use_orig_params=True`),
+    so the frozen float32 norms and the trainable float32 adapters are two; then come the codes (values/2
+    bytes), the int8 scales (values/64) and the float32 factors and means.
 
     ## 8. Llama-2-7B: estimates beside published figures
 
@@ -386,19 +389,19 @@ CELLS = [
     `fsdp_lab/memory/estimate.py`) where Answer.AI's run has six (not o):
     """),
     code("""
-    def live_gib(strategy="fsdp2", rank=8, batch=1, seq=512):
+    def live(strategy="fsdp2", rank=8, batch=1, seq=512):   # the estimate of live bytes, by category
         return estimate("llama2-7b", world_size=2, strategy=strategy, param_dtype=torch.bfloat16, qlora=True,
-                        lora_rank=rank, batch_size=batch, seq_len=seq, activation_checkpointing=True).total / 2**30
+                        lora_rank=rank, batch_size=batch, seq_len=seq, activation_checkpointing=True)
 
     PUBLISHED = {"talk, FSDP1 + bitsandbytes": 12.88, "talk, FSDP2 + torchao NF4": 12.60,
                  "Answer.AI (rank 64), peak reserved": 4.98}  # GiB, sources in REFERENCES.md
-    talk_estimate = {s: live_gib(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
-    small = {rank: live_gib(rank=rank) for rank in (8, 64)}
+    talk_estimate = {s: live(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
+    small = {rank: live(rank=rank) for rank in (8, 64)}
     lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small,
                                             fake_tensor_results=files.labs.parent / "benchmarks/results/qlora_7b_estimate_cpu.json")
     """),
     md("""
-    Where the gap at batch 1 × 512 comes from (sources in REFERENCES.md and Answer.AI's benchmark page):
+    Where the gap at batch 1 × 512 can come from (sources in REFERENCES.md and Answer.AI's benchmark page):
 
     * **Not the CUDA context**: `max_memory_reserved` counts only what PyTorch's caching allocator holds; the
       context lives outside it.
@@ -408,16 +411,14 @@ CELLS = [
     * **bitsandbytes' own buffers**: `Linear4bit` keeps its quantization state on the module, outside the flat
       parameter, so the absmax statistics are replicated on every rank, and in March 2024 each weight was
       dequantized to a full bf16 temporary for its matmul (both worked out from the shapes below).
-
     """),
     code("""
     lab08.print_bitsandbytes_buffers(LlamaConfig.from_name("llama2-7b"))
     """),
     md("""
-    At batch 8 × 2048 the activations, which the estimator counts, dominate and the allocator's reserve is a
-    smaller share: the estimate lands close to the talk's figures (the difference is printed above). The GPU
-    measurement of our own code (`python benchmarks/qlora_7b.py --device cuda`) has not been run for this
-    build.
+    At batch 8 × 2048 activations and temporaries are most of the estimate (the shares printed above), which
+    lands close to the talk's figures (the difference printed above). Our own code's GPU measurement
+    (`python benchmarks/qlora_7b.py --device cuda`) has not been run for this build.
 
     ## 9. Explore: rank, block size, double quantization, world size
 
@@ -488,9 +489,8 @@ CELLS = [
       all-gathered as bytes, frozen yet resharded like any parameter. The NF4 linears move about a quarter of
       their bf16 bytes; a whole block's all-gather, whose float32 adapters and norms weigh the same either
       way, shrinks by less (both ratios printed in section 7).
-    * Answer.AI's published Llama-2-7B figure is the allocator's peak *reserved* memory (the talk does not say
-      which statistic it reports); the estimator counts live bytes. At small batches the difference is mostly
-      the caching allocator's reserve from loading.
+    * Answer.AI's Llama-2-7B figure is the allocator's peak *reserved* memory (the talk's statistic is not
+      stated); the estimator counts live bytes (section 8: the gap at batch 1 × 512, where it can come from).
 
     Read next: `fsdp_lab/qlora/nf4.py`, `nf4_fsdp.py`, `lora.py` and `docs/qlora.md`.
     """),
