@@ -11,8 +11,9 @@ Run from the repository root:
 Every output nbval compares must be the same on a quiet or a busy machine. This starts
 ``--busy`` processes that spin on the CPU (``python -c "while True: pass"``), runs
 ``python -m pytest --nbval -q PATHS`` ``--runs`` times in a row, prints each run's passes and
-failures (by test id) and a summary line, and stops the busy loops and any pytest still
-running at the end, also on Ctrl-C or SIGTERM. Exit status 0 when every run passed, 1 otherwise.
+failures (by test id; a failing run's whole output goes to a log file it names) and a summary
+line, and stops the busy loops and any pytest still running at the end, also on Ctrl-C or
+SIGTERM. Exit status 0 when every run passed, 1 otherwise.
 ``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere) after every
 run, so a soak stopped early keeps the runs it finished, with each notebook's seconds (from
 pytest's JUnit report: its cells' times, kernel start included); ``benchmarks/report.py`` lays
@@ -66,8 +67,9 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_pytest(paths: list[str], timeout: float) -> dict:
+def run_pytest(paths: list[str], timeout: float, log: Path | None = None) -> dict:
     """One ``pytest --nbval`` run over ``paths``; its counts, failing test ids and duration (s).
+    ``log``: where pytest's whole output is written when the run fails (the diffs nbval shows).
 
     pytest runs in a session of its own so that stopping it also stops the notebook kernels
     and ranks it started. Raises KeyboardInterrupt after stopping it on Ctrl-C.
@@ -88,6 +90,8 @@ def run_pytest(paths: list[str], timeout: float) -> dict:
             raise
         seconds = time.monotonic() - start
         counts = _junit_counts(report) if report.exists() else None
+    if log is not None and process.returncode != 0:
+        log.write_text(output)
     if counts is None:  # pytest ended before writing a report (crash)
         counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
                   "notebook_seconds": {}}
@@ -157,15 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     runs = []
+    logs = Path(tempfile.mkdtemp(prefix="soak_labs_"))  # a failing run's output, to see why
     busy = start_busy_loops(args.busy)
     print(f"soak: {args.runs} run(s) of pytest --nbval {' '.join(args.paths)} "
           f"with {args.busy} busy loop(s)", flush=True)
     try:
         for i in range(args.runs):
             load = os.getloadavg()[0]
-            run = {"run": i + 1, "load_average_1min": round(load, 2), **run_pytest(args.paths, args.timeout)}
+            log = logs / f"run_{i + 1}.log"
+            run = {"run": i + 1, "load_average_1min": round(load, 2), **run_pytest(args.paths, args.timeout, log)}
             runs.append(run)
-            verdict = "PASS" if run_passed(run) else "FAIL"
+            verdict = "PASS" if run_passed(run) else f"FAIL (pytest's output: {log})"
             print(f"run {i + 1}/{args.runs}: {verdict}: {describe(run)}", flush=True)
             if args.record:  # after every run: a soak stopped early keeps what it measured
                 _record(args, runs, sum(run_passed(r) for r in runs))
