@@ -121,6 +121,11 @@ def test_recorded_compile_ratios_name_both_shapes(tmp_path, capsys):
         "time / compiled's: eager (gather form) 0.97x; eager (element-wise form) 6.9x\n")
 
 
+def test_recorded_compile_ratios_without_the_file_say_how_to_record_one(tmp_path, capsys):
+    lab08.print_recorded_compile_ratios(tmp_path / "missing.json", torch.Size([1024, 1024]))  # no raise
+    assert "run python benchmarks/nf4_compile.py" in capsys.readouterr().out
+
+
 def test_published_against_estimates_prints_the_estimates_shares(tmp_path, capsys):
     from fsdp_lab.memory.estimate import Breakdown
     gib = 2**30
