@@ -94,6 +94,20 @@ def mistake(name: str, message: str, hint: str = "") -> _Outcome:
     return _Outcome(WRONG, message, name, hint)
 
 
+def wrong_collectives(used: list[str], expected: str, right: str, why: str, hint: str) -> _Outcome | None:
+    """None when the collectives an answer issued (``used``: names recorded by a ``Timeline``)
+    are exactly ``expected``; otherwise the mistake "no_collective" (nothing went through
+    ``fsdp_lab.collectives``) or "not_<expected>", whose message starts with ``right`` (what the
+    answer got right), names what it used and says ``why`` the expected collective is the one."""
+    names = sorted(set(used))
+    if not names:
+        return mistake("no_collective", f"{right}, but no collective went through fsdp_lab.collectives, "
+                                        "which the check records", hint)
+    if names != [expected]:
+        return mistake(f"not_{expected}", f"{right}, but it came through {', '.join(names)}: {why}", hint)
+    return None
+
+
 def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str], _Outcome | None] | None = None):
     """Decorate ``check(answer, ...) -> correct(...) | mistake(...)`` into a checker that
     returns a :class:`Verdict` and never raises.

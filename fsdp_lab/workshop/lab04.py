@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
+                                        wrong_collectives)
 
 REDUCE_WORLD = 2
 
@@ -184,18 +185,12 @@ def check_reduce_flat_grad(reduce_flat_grad):
     if not all(isinstance(o["result"], torch.Tensor) for o in out):
         return mistake("not_a_tensor", "return this rank's shard of the averaged gradient as a tensor")
     if all(_close(o["result"], o["reference"]) for o in out):
-        used = sorted(set(out[0]["collectives"]))
-        if not used:
-            return mistake("no_collective", "the shard is right, but no collective went through "
-                                            "fsdp_lab.collectives, which the check records",
-                           "call collectives.reduce_scatter_tensor(shard, flat_grad)")
-        if used != ["reduce_scatter"]:
-            return mistake("not_reduce_scatter", f"the shard is right, but it came through "
-                                                 f"{', '.join(used)}: an all-reduce gives every rank the "
-                                                 "whole sum and sends 2(N-1)/N of the flat gradient per "
-                                                 "rank; a reduce-scatter gives each rank only its shard, "
-                                                 "for half of that",
-                           "collectives.reduce_scatter_tensor(shard, flat_grad)")
+        wrong = wrong_collectives(out[0]["collectives"], "reduce_scatter", "the shard is right",
+                                  "a reduce-scatter gives each rank only its shard and sends (N-1)/N of the flat "
+                                  "gradient per rank; an all-reduce gives every rank the whole sum for twice that",
+                                  "collectives.reduce_scatter_tensor(shard, flat_grad)")
+        if wrong is not None:
+            return wrong
         shard = out[0]["shard_numel"]
         return correct(f"each rank holds the same {shard:,} averaged gradient values as FSDP1's sharded "
                        f".grad: one reduce-scatter of the {out[0]['padded_numel']:,}-element flat gradient "

@@ -19,7 +19,8 @@ import math
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
+                                        wrong_collectives)
 
 HOOK_WORLD = 4
 HOOK_SHAPE = (7, 5)  # out_features, in_features of the checked nn.Linear: 7 rows on 4 ranks
@@ -185,17 +186,12 @@ def check_pre_forward(pre_forward):
         return mistake("raised", f"the forward failed: {first['error']}")
     if all(torch.allclose(o["out"], o["reference"], atol=1e-6) for o in out) and \
             all(torch.equal(o["seen"][n], o["full"][n]) for o in out for n in ("weight", "bias")):
-        used = sorted(set(first["collectives"]))
-        if not used:
-            return mistake("no_collective", "the weights came back whole, but no collective went through "
-                                            "fsdp_lab.collectives, which the check records",
-                           "call collectives.all_gather_into_tensor(gathered, shard)")
-        if used != ["all_gather"]:
-            return mistake("not_all_gather", f"the weights came back whole, but through {', '.join(used)}: "
-                                             "an all-gather sends each rank's shard to the others, (N-1)/N "
-                                             "of the parameter per rank; an all-reduce of zero-padded whole "
-                                             "tensors sends 2(N-1)/N of it",
-                           "collectives.all_gather_into_tensor(gathered, shard)")
+        wrong = wrong_collectives(first["collectives"], "all_gather", "the weights came back whole",
+                                  "an all-gather sends each rank's shard to the others, (N-1)/N of the parameter "
+                                  "per rank; an all-reduce of zero-padded whole tensors sends 2(N-1)/N of it",
+                                  "collectives.all_gather_into_tensor(gathered, shard)")
+        if wrong is not None:
+            return wrong
         return correct(f"on {HOOK_WORLD} ranks the layer computed what the unsharded layer computes in one "
                        f"process: each weight came back whole ({rows} rows from {HOOK_WORLD} padded shards of "
                        f"{math.ceil(rows / HOOK_WORLD)}, {padded - rows} padding row dropped) — FSDP2's "
