@@ -39,15 +39,27 @@ def test_docs_benchmarks_md_is_current():
         "docs/benchmarks.md is out of date: run python benchmarks/report.py"
 
 
+def soak_run(number: int, **fields) -> dict:
+    """One run of a soak record as benchmarks/soak_labs.py writes it; ``fields`` override."""
+    return {"run": number, "passed": 1, "failed": 0, "errors": 0, "skipped": 0, "seconds": 5.0,
+            "load_average_1min": 2.0, "exit_code": 0, "failures": []} | fields
+
+
+def soak_section(tmp_path, runs: list[dict], busy_loops: int = 2, **fields) -> str:
+    """report.section of a soak record holding ``runs``, written where soak_labs.py names it."""
+    result = tmp_path / "soak_labs_cpu.json"
+    record = {"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
+              "busy_loops": busy_loops, "runs_passed": sum(run["exit_code"] == 0 for run in runs),
+              "runs_total": len(runs), "runs": runs} | fields
+    result.write_text(json.dumps(record))
+    return report.section(result)
+
+
 def test_soak_section_says_how_many_runs_passed_and_lists_each_run(tmp_path):
-    result = tmp_path / "soak_labs_cpu.json"  # named like benchmarks/soak_labs.py's output
-    runs = [{"run": 1, "passed": 698, "failed": 0, "errors": 0, "skipped": 2, "seconds": 410.0,
-             "load_average_1min": 3.9, "exit_code": 0, "failures": []},
-            {"run": 2, "passed": 697, "failed": 1, "errors": 0, "skipped": 2, "seconds": 415.5,
-             "load_average_1min": 4.2, "exit_code": 1, "failures": ["labs/08.ipynb::Cell 10"]}]
-    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
-                                  "busy_loops": 2, "runs_passed": 1, "runs_total": 2, "runs": runs}))
-    text = report.section(result)
+    text = soak_section(tmp_path, [
+        soak_run(1, passed=698, skipped=2, seconds=410.0, load_average_1min=3.9),
+        soak_run(2, passed=697, failed=1, skipped=2, seconds=415.5, load_average_1min=4.2, exit_code=1,
+                 failures=["labs/08.ipynb::Cell 10"])])
     assert "**1 of 2 runs passed**: `python -m pytest --nbval labs/`, 2 busy-loop processes" in text
     assert "| 1 | 698 | 0 | 0 | 2 | 410 | 3.9 | none |" in text
     assert "| 2 | 697 | 1 | 0 | 2 | 415.5 | 4.2 | `labs/08.ipynb::Cell 10` |" in text
@@ -55,32 +67,19 @@ def test_soak_section_says_how_many_runs_passed_and_lists_each_run(tmp_path):
 
 
 def test_soak_stopped_early_says_how_many_runs_were_planned(tmp_path):
-    result = tmp_path / "soak_labs_cpu.json"
-    run = {"run": 1, "passed": 378, "failed": 0, "errors": 0, "skipped": 0, "seconds": 800.0,
-           "load_average_1min": 2.0, "exit_code": 0, "failures": []}
-    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
-                                  "busy_loops": 2, "runs_passed": 1, "runs_total": 1, "runs_planned": 5,
-                                  "runs": [run]}))
-    assert "**1 of 1 runs passed** (stopped after 1 of 5 planned runs)" in report.section(result)
+    text = soak_section(tmp_path, [soak_run(1, passed=378, seconds=800.0)], runs_planned=5)
+    assert "**1 of 1 runs passed** (stopped after 1 of 5 planned runs)" in text
 
 
 def test_soak_section_lists_each_notebooks_seconds_over_the_runs(tmp_path):
-    result = tmp_path / "soak_labs_cpu.json"
-    runs = [{"run": i + 1, "passed": 3, "failed": 0, "errors": 0, "skipped": 0, "seconds": 60.0 + i,
-             "load_average_1min": 2.0, "exit_code": 0, "failures": [],
-             "notebook_seconds": {"labs/00_start_here.ipynb": 14.6 + i, "labs/solutions/00_start_here.ipynb": 20.2}}
+    runs = [soak_run(i + 1, passed=3, seconds=60.0 + i,
+                     notebook_seconds={"labs/00_start_here.ipynb": 14.6 + i,
+                                       "labs/solutions/00_start_here.ipynb": 20.2})
             for i in range(2)]
-    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
-                                  "busy_loops": 0, "runs_passed": 2, "runs_total": 2, "runs": runs}))
-    text = report.section(result)
+    text = soak_section(tmp_path, runs, busy_loops=0)
     assert "| `labs/00_start_here.ipynb` | 15 | 16 |" in text
     assert "| `labs/solutions/00_start_here.ipynb` | 20 | 20 |" in text
 
 
 def test_soak_record_without_notebook_times_has_no_notebook_table(tmp_path):
-    result = tmp_path / "soak_labs_cpu.json"
-    run = {"run": 1, "passed": 1, "failed": 0, "errors": 0, "skipped": 0, "seconds": 5.0,
-           "load_average_1min": 2.0, "exit_code": 0, "failures": []}
-    result.write_text(json.dumps({"kind": "soak", "device": "cpu", "command": "python -m pytest --nbval labs/",
-                                  "busy_loops": 2, "runs_passed": 1, "runs_total": 1, "runs": [run]}))
-    assert "| notebook |" not in report.section(result)
+    assert "| notebook |" not in soak_section(tmp_path, [soak_run(1)])
