@@ -95,6 +95,22 @@ def test_plot_timeline_draws_rows_per_rank_and_lane():
     assert anchor.x0 == pytest.approx(1.0)  # the legend starts at the axes' right edge
 
 
+def test_plot_timeline_gives_every_legend_entry_its_own_colour():
+    # two collectives outside the fixed palette (the OOM agreement's) beside an all-gather and a forward
+    tl = _timeline_of([Event(0, "compute", "f", 0, 0.0, 1.0, args={"phase": "forward"}),
+                       Event(0, "comm", "all_gather", 4, 0.2, 0.4, "comm"),
+                       Event(0, "comm", "oom_sync", 8, 0.5, 0.6, "comm"),
+                       Event(1, "comm", "oom_flag", 4, 0.7, 0.8, "comm")])
+    legend = plot_timeline(tl).get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["all_gather", "forward", "oom_flag", "oom_sync"]
+    colours = [tuple(handle.get_facecolor()) for handle in legend.legend_handles]
+    assert len(set(colours)) == len(labels)
+    ax = plot_timeline(tl)  # each bar is drawn in its legend entry's colour
+    bar_colours = {tuple(c.get_facecolor()[0]) for c in ax.collections}
+    assert bar_colours == set(colours)
+
+
 def _overlap_run():
     # The same all-gather and the same matmuls, once waited before computing (sync) and
     # once issued async with the compute in between: only the second can overlap.

@@ -17,10 +17,20 @@ _COLORS = {
 }
 
 
-def _color(event) -> str:
-    if event.kind == "comm":
-        return _COLORS.get(event.name, "#DA8BC3")
-    return _COLORS.get(event.args.get("phase", "compute"), _COLORS["compute"])
+# Collectives named otherwise (a library's own flags, e.g. "oom_sync") take these in name order,
+# so two of them in one figure never share a colour.
+_SPARE_COLORS = ["#DA8BC3", "#64B5CD", "#8DA0CB", "#E5C494", "#A6D854", "#B3B3B3"]
+
+
+def _legend_name(event) -> str:
+    return event.name if event.kind == "comm" else event.args.get("phase", "compute")
+
+
+def _colors_for(names) -> dict[str, str]:
+    """A colour for every name in ``names``: the fixed one where it has one, else a spare."""
+    spare = sorted(set(names) - set(_COLORS))
+    return {name: _COLORS.get(name) or _SPARE_COLORS[spare.index(name) % len(_SPARE_COLORS)]
+            for name in set(names)}
 
 
 def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: bool = False,
@@ -28,7 +38,8 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
     """Draw ``timeline`` as a Gantt chart: one row per (rank, lane), time in ms from the start.
 
     Returns the matplotlib Axes. Comm events are coloured by collective, compute events by
-    phase (forward / backward / other spans). ``legend_outside`` puts the legend right of the
+    phase (forward / backward / other spans); a collective with a name of its own (``oom_sync``)
+    gets a colour no other entry of the figure has. ``legend_outside`` puts the legend right of the
     axes, where it cannot cover late events (the optimizer step). Raises ValueError for an
     empty timeline.
     """
@@ -40,18 +51,19 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
     t0 = min(e.t_start for e in events)
     rows = sorted({(e.rank, e.lane) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1]))
     index = {row: i for i, row in enumerate(rows)}
+    names = sorted({_legend_name(e) for e in events})
+    colors = _colors_for(names)
     for e in events:
         y = index[(e.rank, e.lane)]
         ax.broken_barh([((e.t_start - t0) * 1e3, max(e.duration * 1e3, 1e-3))], (y - 0.38, 0.76),
-                       facecolors=_color(e), edgecolors="none")
+                       facecolors=colors[_legend_name(e)], edgecolors="none")
         if label_bytes and e.kind == "comm" and e.bytes:
             ax.text((e.t_start - t0) * 1e3, y, f"{e.bytes / 2**20:.1f}M", fontsize=6, va="center")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r} {lane}" for r, lane in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    names = sorted({e.name if e.kind == "comm" else e.args.get("phase", "compute") for e in events})
-    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(n, "#DA8BC3")) for n in names]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in names]
     if legend_outside:
         ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     else:

@@ -187,10 +187,6 @@ def plot_agreement_timeline(merged, oom_time: float, retry_time: float):
     old = ax.get_legend()
     handles, labels = list(old.legend_handles), [t.get_text() for t in old.get_texts()]
     old.remove()
-    if "oom_flag" in labels and "oom_sync" in labels:  # plot_timeline draws both in one colour: one entry
-        drop = labels.index("oom_flag")
-        del handles[drop], labels[drop]
-        labels[labels.index("oom_sync")] = "oom_sync, oom_flag"
     extra, extra_labels = ax.get_legend_handles_labels()
     ax.legend(handles + extra, labels + extra_labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     return fig
