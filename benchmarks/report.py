@@ -111,7 +111,8 @@ def soak_lines(data: dict) -> list[str]:
     planned = data.get("runs_planned", data["runs_total"])
     stopped = f" (stopped after {data['runs_total']} of {planned} planned runs)" if planned > data["runs_total"] else ""
     lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**{stopped}: `{data['command']}`, "
-             f"{data['busy_loops']} busy-loop processes loading the CPU.", "",
+             f"{data['busy_loops']} busy-loop processes loading the CPU. `load_average_1min` is read as "
+             "each run starts, so the first run's is low: the busy loops have only just started.", "",
              "| " + " | ".join(SOAK_COLUMNS) + " | failing tests |",
              "|" + "---|" * (len(SOAK_COLUMNS) + 1)]
     for run in data["runs"]:

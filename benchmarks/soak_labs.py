@@ -134,7 +134,7 @@ def run_passed(run: dict) -> bool:
 def describe(run: dict) -> str:
     """One line for a run: its counts, duration and the failing test ids."""
     text = (f"{run['passed']} passed, {run['failed']} failed, {run['errors']} errors, "
-            f"{run['skipped']} skipped in {run['seconds']:.0f} s (load {run['load_average_1min']:.1f})")
+            f"{run['skipped']} skipped in {run['seconds']:.0f} s (load at its start {run['load_average_1min']:.1f})")
     if run["failures"]:
         text += "; failing: " + ", ".join(run["failures"])
     return text

@@ -61,6 +61,7 @@ def test_soak_section_says_how_many_runs_passed_and_lists_each_run(tmp_path):
         soak_run(2, passed=697, failed=1, skipped=2, seconds=415.5, load_average_1min=4.2, exit_code=1,
                  failures=["labs/08.ipynb::Cell 10"])])
     assert "**1 of 2 runs passed**: `python -m pytest --nbval labs/`, 2 busy-loop processes" in text
+    assert "`load_average_1min` is read as each run starts" in text
     assert "| 1 | 698 | 0 | 0 | 2 | 410 | 3.9 | none |" in text
     assert "| 2 | 697 | 1 | 0 | 2 | 415.5 | 4.2 | `labs/08.ipynb::Cell 10` |" in text
     assert "Run: `python benchmarks/soak_labs.py`" in text
