@@ -112,7 +112,8 @@ def soak_lines(data: dict) -> list[str]:
     stopped = f" (stopped after {data['runs_total']} of {planned} planned runs)" if planned > data["runs_total"] else ""
     lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**{stopped}: `{data['command']}`, "
              f"{data['busy_loops']} busy-loop processes loading the CPU. `load_average_1min` is read as "
-             "each run starts, so the first run's is low: the busy loops have only just started.", "",
+             "each run starts" + (", so the first run's is low: the busy loops have only just started."
+                                  if data["busy_loops"] else "."), "",
              "| " + " | ".join(SOAK_COLUMNS) + " | failing tests |",
              "|" + "---|" * (len(SOAK_COLUMNS) + 1)]
     for run in data["runs"]:
