@@ -18,6 +18,8 @@ COLORS = {
     "optimizer_state": "#C44E52", "activations": "#DD8452", "temporaries": "#CCB974",
     "comm_buffers": "#8172B3", "quantized": "#937860", "other": "#8C8C8C",
 }
+# Beside a timeline, where all-gathers are orange, activations are drawn pink instead.
+COLORS_BESIDE_TIMELINE = COLORS | {"activations": "#DA8BC3"}
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
 
 

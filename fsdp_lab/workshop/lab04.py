@@ -15,7 +15,7 @@
 * ``world_sizes(strategy)`` and ``explorer_controls()``: the lab's widget offers only the world
   sizes a strategy runs on (HYBRID_SHARD needs a world fsdp_lab can split in groups).
 
-The lab's step figure is drawn here too (``draw_step``, colours ``MEMORY_COLORS``).
+The lab's step figure is drawn here too (``draw_step``, memory colours ``COLORS_BESIDE_TIMELINE``).
 """
 
 from __future__ import annotations
@@ -261,12 +261,6 @@ def explorer_controls() -> dict:
     return {"strategy": strategy, "wrapping": wrapping, "world_size": world}
 
 
-# one colour per memory category, shared by the lab's figures
-MEMORY_COLORS = {"sharded_params": "#7A9CD0", "unsharded_params": "#2A4A80", "sharded_grads": "#8FCB9B",
-                 "unsharded_grads": "#2F7040", "optimizer_state": "#C44E52", "activations": "#DA8BC3",
-                 "temporaries": "#CCB974", "comm_buffers": "#8172B3", "other": "#8C8C8C"}
-
-
 def draw_step(runs, title: str):
     """The figure of one launched FSDP1 step: ``runs`` (one dict per rank, from lab 04's
     ``one_step``: "timeline" and rank 0's "samples" of (moment, gathered MiB per unit, memory by
@@ -276,6 +270,7 @@ def draw_step(runs, title: str):
 
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_timeline
+    from fsdp_lab.viz.memory_plots import COLORS_BESIDE_TIMELINE
 
     samples = runs[0]["samples"]
     labels = [label for label, _, _ in samples]
@@ -289,9 +284,9 @@ def draw_step(runs, title: str):
     b.set_xticks(list(xs), [])
     b.set_title("rank 0: which units are gathered (unsharded parameters, MiB)")
     fig.colorbar(im, ax=b, pad=0.01)
-    cats = [k for k in MEMORY_COLORS if any(s[2].get(k, 0) for s in samples)]
+    cats = [k for k in COLORS_BESIDE_TIMELINE if any(s[2].get(k, 0) for s in samples)]
     c.stackplot(list(xs), *[[s[2].get(k, 0) / 2**20 for s in samples] for k in cats],
-                labels=cats, colors=[MEMORY_COLORS[k] for k in cats], step="post")
+                labels=cats, colors=[COLORS_BESIDE_TIMELINE[k] for k in cats], step="post")
     c.set_xticks(list(xs), labels, rotation=60, ha="right", fontsize=7)
     c.set_xlim(b.get_xlim())
     c.set_ylabel("MiB"); c.set_xlabel("moment in the step (forward, backward, optimizer)")

@@ -37,7 +37,7 @@ CELLS = [
     from fsdp_lab.models.llama import Llama, TransformerBlock
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_timeline
-    from fsdp_lab.viz.memory_plots import plot_memory_curve
+    from fsdp_lab.viz.memory_plots import COLORS_BESIDE_TIMELINE as MEMORY_COLORS
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab_files, lab04
     from fsdp_lab.workshop.measure import wire_bytes
@@ -233,7 +233,6 @@ CELLS = [
                                       for n in unit_names))
     """),
     code("""
-    MEMORY_COLORS = lab04.MEMORY_COLORS
     fig = lab04.draw_step(runs, "FULL_SHARD, one unit per block, 2 ranks: time line (all-gathers orange)")
     files.savefig(fig, "full_shard_timeline_memory.png", dpi=90)
     """, tags=["nbval-ignore-output"]),

@@ -37,7 +37,7 @@ CELLS = [
     from fsdp_lab.models.llama import Llama, LlamaConfig
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_timeline
-    from fsdp_lab.viz.memory_plots import plot_memory_curve
+    from fsdp_lab.viz.memory_plots import COLORS_BESIDE_TIMELINE as MEMORY_COLORS
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.fsdp1 import shard_boundaries
     from fsdp_lab.workshop import lab_files, lab05
@@ -240,10 +240,6 @@ CELLS = [
           f"sharded params: {r0['max']['sharded_params'] / 2**20:.3f} MiB (rank 0)")
     """),
     code("""
-    MEMORY_COLORS = {"sharded_params": "#7A9CD0", "unsharded_params": "#2A4A80", "sharded_grads": "#8FCB9B",
-                     "unsharded_grads": "#2F7040", "optimizer_state": "#C44E52", "activations": "#DA8BC3",
-                     "temporaries": "#CCB974", "comm_buffers": "#8172B3", "other": "#8C8C8C"}
-
     def draw(results, title=""):
         memory = results[0]["memory"]
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), gridspec_kw={"height_ratios": [1.1, 1.3]})
