@@ -9,7 +9,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from fsdp_lab.memory import snapshot  # noqa: E402
 from fsdp_lab.memory.tracker import MemoryTracker  # noqa: E402
-from fsdp_lab.viz.memory_plots import plot_breakdown, plot_estimate_vs_measured, plot_memory_curve  # noqa: E402
+from fsdp_lab.memory.tags import CATEGORIES  # noqa: E402
+from fsdp_lab.viz.memory_plots import (COLORS_BESIDE_TIMELINE, plot_breakdown, plot_estimate_vs_measured,  # noqa: E402
+                                       plot_memory_curve)
 from fsdp_lab.viz.memory_widgets import MemoryExplorer  # noqa: E402
 
 
@@ -171,3 +173,10 @@ def test_snapshot_records_a_cuda_step(tmp_path):
     assert max(values) >= 256 * 256 * 4 * 2  # weight and its gradient
     snapshot.plot_snapshot(path, device=torch.cuda.current_device())
     plt.close("all")
+
+
+def test_memory_colours_beside_a_timeline_cover_every_category_and_leave_the_all_gather_colour():
+    from fsdp_lab.viz.timeline_plots import _COLORS as TIMELINE_COLORS
+
+    assert set(COLORS_BESIDE_TIMELINE) == set(CATEGORIES)
+    assert COLORS_BESIDE_TIMELINE["activations"] != TIMELINE_COLORS["all_gather"]

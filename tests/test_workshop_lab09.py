@@ -98,3 +98,18 @@ def test_retry_above_counts_each_crossing():
         d = torch.zeros(100)      # 800 + 400 = 1200 again: a second crossing
     assert tracker.alloc_retries == 2
     del a, d
+
+
+def test_agreement_timeline_keeps_oom_sync_and_oom_flag_apart():
+    from fsdp_lab.timeline import Event, Timeline
+
+    merged = Timeline(rank=0, device="cpu")
+    merged._events = [Event(0, "compute", "f", 0, 0.0, 1.0, args={"phase": "forward"}),
+                      Event(0, "comm", "oom_sync", 8, 1.0, 1.2, "comm"),
+                      Event(1, "comm", "oom_flag", 4, 1.5, 1.6, "comm")]
+    fig = lab09.plot_agreement_timeline(merged, oom_time=0.5, retry_time=1.3)
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["forward", "oom_flag", "oom_sync", "OOM on rank 1",
+                                                          "retry starts (rank 0)"]
+    colours = [tuple(h.get_facecolor()) for h in legend.legend_handles[:3]]
+    assert len(set(colours)) == 3

@@ -29,8 +29,8 @@ def _legend_name(event) -> str:
 def _colors_for(names) -> dict[str, str]:
     """A colour for every name in ``names``: the fixed one where it has one, else a spare."""
     spare = sorted(set(names) - set(_COLORS))
-    return {name: _COLORS.get(name) or _SPARE_COLORS[spare.index(name) % len(_SPARE_COLORS)]
-            for name in set(names)}
+    return {name: _COLORS[name] for name in names if name in _COLORS} | \
+        {name: _SPARE_COLORS[i % len(_SPARE_COLORS)] for i, name in enumerate(spare)}
 
 
 def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: bool = False,
