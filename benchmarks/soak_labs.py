@@ -91,6 +91,7 @@ def run_pytest(paths: list[str], timeout: float, log: Path | None = None) -> dic
         seconds = time.monotonic() - start
         counts = _junit_counts(report) if report.exists() else None
     if log is not None and process.returncode != 0:
+        log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(output)
     if counts is None:  # pytest ended before writing a report (crash)
         counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     runs = []
-    logs = Path(tempfile.mkdtemp(prefix="soak_labs_"))  # a failing run's output, to see why
+    # a failing run's output, to see why (the folder is made only when a run fails)
+    logs = Path(tempfile.gettempdir()) / f"soak_labs_{os.getpid()}"
     busy = start_busy_loops(args.busy)
     print(f"soak: {args.runs} run(s) of pytest --nbval {' '.join(args.paths)} "
           f"with {args.busy} busy loop(s)", flush=True)

@@ -31,3 +31,15 @@ def test_junit_report_gives_counts_failures_and_seconds_per_notebook(tmp_path):
 def test_notebook_path_turns_a_class_name_back_into_the_path_pytest_ran():
     assert soak_labs.notebook_path("labs.solutions.03_zero_by_hand.ipynb") == "labs/solutions/03_zero_by_hand.ipynb"
     assert soak_labs.notebook_path("labs.08_qlora.ipynb") == "labs/08_qlora.ipynb"
+
+
+def test_a_failing_run_writes_its_whole_output_to_the_log_and_a_passing_run_writes_none(tmp_path):
+    (tmp_path / "test_one.py").write_text("def test_fails():\n    assert 1 == 2, 'the diff to see'\n\n"
+                                          "def test_passes():\n    pass\n")
+    log = tmp_path / "logs" / "run_1.log"  # its folder does not exist yet
+    run = soak_labs.run_pytest([str(tmp_path / "test_one.py")], timeout=120, log=log)
+    assert (run["passed"], run["failed"]) == (1, 1)
+    assert "the diff to see" in log.read_text()
+    quiet_log = tmp_path / "logs" / "run_2.log"
+    run = soak_labs.run_pytest([str(tmp_path / "test_one.py") + "::test_passes"], timeout=120, log=quiet_log)
+    assert run["passed"] == 1 and not quiet_log.exists()
