@@ -206,6 +206,7 @@ def summary(runs: list[StageRun]) -> dict:
 
 
 def kib(nbytes: float) -> str:
+    """``nbytes`` (bytes) as KiB with one decimal, for the checker's messages."""
     return f"{nbytes / 1024:.1f} KiB"
 
 

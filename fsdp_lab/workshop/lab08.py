@@ -52,6 +52,9 @@ def _midpoints() -> torch.Tensor:
 @checker("nearest_code", hint="midpoints = (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2; a value's code is "
                               "how many midpoints lie strictly below it")
 def check_nearest_code(nearest_code):
+    """Compare ``nearest_code(values)`` with fsdp_lab's NF4 lookup on 10,000 uniform values in
+    [-1, 1], the 16 code values and the 15 midpoints between them (a tie goes to the lower code,
+    as in bitsandbytes); name the usual mistakes (float codes, ties sent up, an evenly spaced grid, mirrored codes)."""
     from fsdp_lab.qlora.nf4 import nearest_nf4_code
 
     values = nearest_code_cases()
@@ -137,6 +140,9 @@ def _explain_lora(error: BaseException, text: str):
                               "lora_a, then lora_b, times alpha / rank",
          explain=_explain_lora)
 def check_lora_forward(lora_forward):
+    """Run ``lora_forward(x, weight, lora_a, lora_b, alpha, rank)`` on an NF4 weight and compare its
+    output and the gradients of ``lora_a`` and ``lora_b`` with fsdp_lab's ``LoRALinear``; name
+    the usual mistakes (scaling by alpha or its floor, adapters left out, a detached update)."""
     case = lora_case()
     want, want_grad_a, want_grad_b = _reference(case)
     lora_a = case["lora_a"].clone().requires_grad_(True)

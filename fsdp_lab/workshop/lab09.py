@@ -56,6 +56,9 @@ def _run(answer):
 @checker("agreement", hint="put [oom, not_done] in one int32 tensor, collectives.all_reduce(t, op='max'), "
                            "return (t[0], 1 - t[1])")
 def check_agreement(agreement):
+    """Run ``agreement(oom, not_done)`` on 2 ranks for all 16 combinations of both ranks' flags and
+    compare each rank's (someone_oomed, all_done) with the MAX over ranks computed by hand; also
+    count the collectives it used per call (one all-reduce is enough)."""
     per_rank = launch(_run, agreement, world_size=WORLD, timeout=CHECK_TIMEOUT)
     wrong = []   # (case, rank, got, want) of every call that disagrees with the formula
     for i, case in enumerate(CASES):
@@ -109,6 +112,9 @@ def _reference(batch_size: int, failed: int, min_size: int):
 @checker("next_microbatch", hint="count down from failed // 2 to min_size; return the first size that "
                                  "divides batch_size, or None")
 def check_next_microbatch(next_microbatch):
+    """Compare ``next_microbatch(batch_size, failed, min_size)`` with ``AutoMicrobatch``'s rule (the
+    largest divisor of the batch at most half the failed size and at least ``min_size``, else
+    None) for every batch 1-24, failed size 1 to the batch and minimum 1-3; name the usual mistakes."""
     cases = [(b, f, m) for b in range(1, 25) for f in range(1, b + 1) for m in (1, 2, 3)]
     cases.sort(key=lambda c: c[1] == 1)  # failed = 1 last: there every rule's answer looks alike
     for b, f, m in cases:
