@@ -180,3 +180,26 @@ def test_memory_colours_beside_a_timeline_cover_every_category_and_leave_the_all
 
     assert set(COLORS_BESIDE_TIMELINE) == set(CATEGORIES)
     assert COLORS_BESIDE_TIMELINE["activations"] != TIMELINE_COLORS["all_gather"]
+
+
+def test_every_memory_table_and_plot_takes_the_same_units_and_names_them_on_a_wrong_one():
+    from fsdp_lab.memory.estimate import Breakdown
+    from fsdp_lab.memory.results import format_rows
+
+    breakdown = Breakdown(bytes={"params": 3 * 2**20, "activations": 1_500_000})
+    # worked by hand: 3 MiB = 3072 KiB = 3,145,728 B = 0.003145728 GB
+    assert "3072.000 KiB" in breakdown.table("KiB")
+    assert "3145728.000 B" in breakdown.table("B")
+    assert "0.003 GB" in breakdown.table("GB")
+    rows = [{"rank": 0, "params": 3 * 2**20}]
+    assert format_rows(rows, unit="KiB").splitlines()[1].split() == ["0", "3072.000"]
+    assert plot_breakdown([{"params": 2**30}], unit="GB").patches[0].get_height() == pytest.approx(1.073741824)
+    plt.close("all")
+    calls = [lambda: breakdown.table("MB"), lambda: format_rows(rows, unit="MB"),
+             lambda: plot_breakdown([breakdown], unit="MB"),
+             lambda: plot_memory_curve([("start", {"params": 1})], unit="MB"),
+             lambda: plot_estimate_vs_measured(breakdown, breakdown, unit="MB")]
+    for call in calls:
+        with pytest.raises(ValueError, match="unit must be one of B, KiB, MiB, GiB, GB, got 'MB'"):
+            call()
+    plt.close("all")

@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.models.llama import LlamaConfig, count_parameters
 
@@ -81,8 +82,9 @@ class Breakdown:
                                          "optimizer_state", "quantized"))
 
     def table(self, unit: str = "GiB") -> str:
-        """Text table of the non-zero categories and the total in ``unit`` (B, KiB, MiB, GiB, GB)."""
-        scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}[unit]
+        """Text table of the non-zero categories and the total in ``unit`` (B, KiB, MiB, GiB, GB).
+        Raises ValueError for another unit."""
+        scale = unit_scale(unit)
         rows = [f"{c:<18}{v / scale:>12.3f} {unit}" for c, v in self.bytes.items() if v]
         rows.append(f"{'total':<18}{self.total / scale:>12.3f} {unit}   (peak phase: {self.phase})")
         if self.host:

@@ -51,9 +51,21 @@ def merge_ranks(results: Iterable[MemoryResult], which: str = "peak") -> list[di
     return rows
 
 
+# bytes per unit, for every table and plot of memory
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
+
+
+def unit_scale(unit: str) -> float:
+    """Bytes in one ``unit`` (a key of ``UNITS``). Raises ValueError for any other name."""
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    return UNITS[unit]
+
+
 def format_rows(rows: list[dict], unit: str = "MiB", skip_zero: bool = True) -> str:
-    """A fixed-width text table of ``merge_ranks`` rows (or any rows of byte counts)."""
-    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    """A fixed-width text table of ``merge_ranks`` rows (or any rows of byte counts) in ``unit``
+    (B, KiB, MiB, GiB, GB). Raises ValueError for another unit."""
+    scale = unit_scale(unit)
     keys = [k for k in rows[0] if k != "rank"]
     if skip_zero:
         keys = [k for k in keys if any(r.get(k, 0) for r in rows)]

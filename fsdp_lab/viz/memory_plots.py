@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from fsdp_lab.memory.results import UNITS, unit_scale  # noqa: F401  (UNITS: the units plots accept)
 from fsdp_lab.memory.tags import CATEGORIES
 
 # one fixed colour per category, the same in every figure
@@ -20,7 +21,6 @@ COLORS = {
 }
 # Beside a timeline, where all-gathers are orange, activations are drawn pink instead.
 COLORS_BESIDE_TIMELINE = COLORS | {"activations": "#DA8BC3"}
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
 
 
 def _values(breakdown) -> dict[str, int]:
@@ -45,15 +45,14 @@ def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None 
         raise ValueError("plot_breakdown needs at least one breakdown")
     if not isinstance(breakdowns, dict):
         breakdowns = {str(i): b for i, b in enumerate(breakdowns)}
-    if unit not in UNITS:
-        raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
+    scale = unit_scale(unit)
     values = {label: _values(b) for label, b in breakdowns.items()}
     if ax is None:
         _, ax = plt.subplots(figsize=(max(4, 1.2 * len(values) + 3), 4))
     labels = list(values)
     bottoms = [0.0] * len(labels)
     for cat in _used(values.values()):
-        heights = [values[l].get(cat, 0) / UNITS[unit] for l in labels]
+        heights = [values[l].get(cat, 0) / scale for l in labels]
         ax.bar(labels, heights, bottom=bottoms, color=COLORS[cat], label=cat, hatch=hatch, edgecolor="white")
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_ylabel(f"memory ({unit})")
@@ -74,7 +73,7 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
     with ``peak_label`` (the phase it came after) when given: the tracker counts every
     allocation, so its peak can fall between two snapshots, above the curve.
     ``label_every`` > 0 writes every n-th phase label on the x axis. Returns the Axes.
-    Raises ValueError for an empty timeline or an unknown category; KeyError for an unknown unit.
+    Raises ValueError for an empty timeline, an unknown category or unit.
     """
     if hasattr(timeline, "timeline"):  # a MemoryResult: its peak unless one is given
         if peak is None:
@@ -82,7 +81,7 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
         timeline = timeline.timeline
     if not timeline:
         raise ValueError("plot_memory_curve needs a non-empty timeline [(label, {category: bytes})]")
-    scale = UNITS[unit]
+    scale = unit_scale(unit)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 4))
     snaps = [_values(s) for _, s in timeline]
@@ -120,8 +119,9 @@ def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB"
 
     ``estimated``/``measured`` are {category: bytes} (or Breakdown); or dicts {label: ...} of
     them to compare several configurations (one group of two stacked bars per label).
-    Returns the Axes.
+    Returns the Axes. Raises ValueError for an unknown category or unit.
     """
+    scale = unit_scale(unit)
     if isinstance(estimated, dict) and estimated and all(not isinstance(v, (int, float)) for v in estimated.values()) \
             and set(estimated) - set(CATEGORIES):
         labels = list(estimated)
@@ -136,7 +136,7 @@ def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB"
     for offset, source, hatch in ((-width / 2, est, None), (width / 2, mea, "//")):
         bottoms = [0.0] * len(labels)
         for cat in cats:
-            heights = [source[l].get(cat, 0) / UNITS[unit] for l in labels]
+            heights = [source[l].get(cat, 0) / scale for l in labels]
             ax.bar([i + offset for i in range(len(labels))], heights, width, bottom=bottoms, color=COLORS[cat],
                    hatch=hatch, edgecolor="white", label=cat if hatch is None else None)
             bottoms = [b + h for b, h in zip(bottoms, heights)]
