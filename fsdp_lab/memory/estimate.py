@@ -111,8 +111,9 @@ def parameter_shapes(config: LlamaConfig) -> list[tuple[str, str, tuple[int, ...
 def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=torch.float32,
                      activation_checkpointing: bool = False, lora_rank: int = 0) -> dict[str, int]:
     """Bytes saved for backward, by part: ``per_block``, ``blocks`` (all L), ``final_norm``,
-    ``loss`` (log-softmax output), ``total``; plus ``recompute`` (one block's activations
-    rebuilt in backward under checkpointing, else 0). Formula in the module docstring.
+    ``loss`` (the log-softmax output, 4TV, plus the int64 input ids the embedding saves, 8T),
+    ``total``; plus ``recompute`` (one block's activations rebuilt in backward under
+    checkpointing, else 0). Formula in the module docstring.
 
     ``lora_rank`` > 0 means QLoRA: only the adapters train, so a norm's weight is frozen and
     its normalised output is not saved for the weight's gradient (e*T*d less per norm), and
