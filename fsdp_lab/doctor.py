@@ -1,9 +1,9 @@
 """``fsdp-lab doctor``: check that this machine can run the labs, and say what to fix.
 
 Each check prints one line, ``OK``, ``WARN`` or ``FAIL``, and every FAIL (and WARN) says what
-to do about it. The exit code is 0 when nothing FAILs. The checks, in order: Python, torch
-(version and build), CUDA GPUs, NCCL, gloo, JupyterLab, ipykernel, ipywidgets and its
-JupyterLab extension, nbval, matplotlib, and a 2-rank ``fsdp_lab.launch`` of an all-reduce.
+to do about it. The exit code is 0 when nothing FAILs. The checks, in order: platform (POSIX),
+Python, torch (version and build), CUDA GPUs, NCCL, gloo, JupyterLab, ipykernel, ipywidgets and
+its JupyterLab extension, nbval, matplotlib, and a 2-rank ``fsdp_lab.launch`` of an all-reduce.
 
     fsdp-lab doctor                 # all checks
     fsdp-lab doctor --no-launch     # skip starting two processes
@@ -61,6 +61,20 @@ def installed_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def check_platform(platform: str = sys.platform) -> Check:
+    """``launch`` needs a POSIX system; Linux is what fsdp_lab's own runs use."""
+    from fsdp_lab.launch import require_posix
+    try:
+        require_posix(platform)
+    except OSError:
+        return Check("platform", "FAIL", f"{platform}: fsdp_lab.launch cannot start ranks here",
+                     "run the labs inside WSL2 (Ubuntu) and repeat the README's set-up there")
+    if platform.startswith("linux"):
+        return Check("platform", "OK", platform)
+    return Check("platform", "WARN", f"{platform}: POSIX, but fsdp_lab's tests run on Linux only",
+                 "the 2-rank launch check below shows whether ranks start and talk here")
 
 
 def check_python(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Check:
@@ -264,7 +278,7 @@ def check_launch(timeout: float = 120.0) -> Check:
 
 # Each check is looked up here by name when the doctor runs, so a test can replace one.
 CHECKS: list[str] = [
-    "check_python", "check_torch", "check_cuda", "check_nccl", "check_gloo", "check_jupyterlab",
+    "check_platform", "check_python", "check_torch", "check_cuda", "check_nccl", "check_gloo", "check_jupyterlab",
     "check_ipykernel", "check_ipywidgets", "check_widgets_extension", "check_nbval",
     "check_matplotlib",
 ]

@@ -109,8 +109,10 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         LaunchTimeout: ``timeout`` passed, or earlier, a deadlock was seen (every rank waiting
             in its N-th collective, and those not the same operation); the message lists each
             rank's last collective.
+        OSError: this is not a POSIX system (on Windows, run the labs inside WSL2).
         KeyboardInterrupt: re-raised after all ranks are stopped.
     """
+    require_posix()
     backend = fdist.choose_backend(world_size, backend)
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on each rank, got {fn!r}")
@@ -148,6 +150,20 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
                 if fd is not None:
                     os.close(fd)
             slots.close()
+
+
+def require_posix(platform: str | None = None) -> None:
+    """Raise OSError unless ``platform`` (default ``sys.platform``) is a POSIX system.
+
+    Each rank inherits file descriptors from ``launch`` (``subprocess.Popen(pass_fds=...)``) and
+    is stopped with POSIX signals; Windows has neither, and its ``Popen`` would fail with a
+    message that does not say what to do.
+    """
+    platform = sys.platform if platform is None else platform
+    if platform.startswith(("win", "cygwin", "msys")):
+        raise OSError(f"fsdp_lab.launch needs Linux or macOS: it passes file descriptors to each rank "
+                      f"and stops ranks with POSIX signals, which {platform!r} does not offer; on "
+                      "Windows, run the labs inside WSL2 (Ubuntu) with the README's set-up there")
 
 
 def _start_rank(spec: dict, slots: mmap.mmap) -> "_Rank":

@@ -58,11 +58,19 @@ def test_python_version_boundary():
     assert old.status == "FAIL" and "3.9.18" in old.detail and "Python >= 3.10" in old.fix
 
 
+def test_platform_check_fails_on_windows_and_only_warns_off_linux():
+    assert doctor.check_platform("linux").status == "OK"
+    windows = doctor.check_platform("win32")
+    assert windows.status == "FAIL" and "win32" in windows.detail and "WSL2" in windows.fix
+    mac = doctor.check_platform("darwin")
+    assert mac.status == "WARN" and "2-rank launch" in mac.fix
+
+
 def test_this_machine_passes_without_launch(capsys):
     code, out = run(capsys, "--no-launch")
     assert code == 0, out
     assert "2-rank launch" not in out
-    for name in ("Python", "torch", "gloo", "JupyterLab", "ipykernel", "ipywidgets",
+    for name in ("platform", "Python", "torch", "gloo", "JupyterLab", "ipykernel", "ipywidgets",
                  "widgets extension", "matplotlib"):
         assert line_of(out, name).startswith("OK"), out
     assert f"{torch.__version__} (CPU build)" in out or "CUDA" in out

@@ -325,6 +325,18 @@ def test_bad_arguments_raise_before_any_process_starts(kwargs, match):
     assert multiprocessing.active_children() == before
 
 
+def test_windows_is_refused_before_any_process_starts_and_names_wsl(monkeypatch):
+    import multiprocessing
+    import sys
+
+    before = multiprocessing.active_children()
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(OSError, match=r"needs Linux or macOS.*'win32'.*inside WSL2"):
+        launch(print, world_size=2)
+    monkeypatch.undo()
+    assert multiprocessing.active_children() == before
+
+
 def test_non_callable_is_a_type_error():
     with pytest.raises(TypeError, match="needs a function"):
         launch("not a function")
