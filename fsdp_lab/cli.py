@@ -119,7 +119,7 @@ def _env(args: argparse.Namespace) -> int:
 def add_env_parser(subparsers) -> argparse.ArgumentParser:
     """``fsdp-lab env``: versions, devices, backends, and a timed 2-rank launch."""
     parser = subparsers.add_parser("env", help="versions, devices, backends, and a test launch")
-    parser.add_argument("--world-size", type=_positive_int, default=2,
+    parser.add_argument("--world-size", type=positive_int, default=2,
                         help="ranks for the launch check (default 2)")
     parser.set_defaults(func=_env)
     return parser
@@ -144,7 +144,9 @@ def parse_sizes(text: str) -> list[int]:
     return sizes
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts (ranks, tokens): the int in ``text``. Raises
+    argparse.ArgumentTypeError, which argparse turns into a usage error, for anything below 1."""
     try:
         value = int(text)
     except ValueError:
@@ -181,7 +183,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1K,1M,16M"),
                         help="comma-separated collective sizes in bytes, K/M/G = KiB/MiB/GiB "
                              "(default 1K,1M,16M)")
-    parser.add_argument("--world-size", type=_positive_int, default=2,
+    parser.add_argument("--world-size", type=positive_int, default=2,
                         help="number of ranks (default 2)")
     parser.set_defaults(func=_bench)
     return parser

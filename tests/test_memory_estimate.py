@@ -161,6 +161,38 @@ def test_cli_prints_the_breakdown(capsys):
     assert f"{est.total / 2**20:.3f} MiB" in text
 
 
+@pytest.mark.parametrize("argv, message", [
+    ("--world-size 0", "argument --world-size: expected an integer >= 1, got '0'"),
+    ("--batch-size -2", "argument --batch-size: expected an integer >= 1, got '-2'"),
+    ("--seq-len 4k", "argument --seq-len: expected an integer >= 1, got '4k'"),
+    ("--strategy ddp --cpu-offload", "cpu_offload is modelled for the sharded strategies"),
+    ("--strategy fsdp1_hybrid_shard --world-size 12", "not a whole number of 8-GPU nodes: pass "
+                                                      "shard_group_size (GPUs per node, e.g. 6)"),
+    ("--strategy fsdp1_hybrid_shard --world-size 12 --shard-group-size 5", "shard_group_size (5) must divide"),
+    ("--strategy fsdp1_hybrid_shard --shard-group-size 0", "argument --shard-group-size: expected an integer"),
+])
+def test_cli_reports_bad_input_as_a_usage_error_without_a_traceback(argv, message, capsys):
+    from fsdp_lab import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["estimate", *argv.split()])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fsdp-lab estimate") and message in err and "Traceback" not in err
+
+
+def test_cli_passes_the_hybrid_shard_group_on(capsys):
+    from fsdp_lab import cli
+
+    cli.main("estimate --strategy fsdp1_hybrid_shard --world-size 12 --shard-group-size 6 --unit GB".split())
+    out = capsys.readouterr().out
+    assert "shard groups of 6 ranks" in out.splitlines()[0]
+    # 6 shards: the same per-rank states as FULL_SHARD on 6 ranks
+    full6 = estimate("llama2-7b", world_size=6, strategy="fsdp1_full_shard", param_dtype=torch.bfloat16,
+                     batch_size=1, seq_len=4096)
+    assert f"{full6.model_states / 1e9:.3f} GB" in out
+
+
 def test_hybrid_shards_within_its_group_and_no_shard_replicates():
     common = dict(param_dtype=torch.bfloat16, batch_size=1, seq_len=512)
     hybrid = estimate("llama2-7b", world_size=16, strategy="fsdp1_hybrid_shard", shard_group_size=8, **common)

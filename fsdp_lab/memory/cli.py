@@ -9,7 +9,9 @@ import argparse
 
 import torch
 
+from fsdp_lab.cli import positive_int
 from fsdp_lab.memory.estimate import OPTIMIZERS, STRATEGIES, estimate
+from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.models.llama import CONFIGS, LlamaConfig, count_parameters
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -20,38 +22,55 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("estimate", help="estimate per-rank memory of one training step",
                               description="Estimate the per-rank memory (by category) of one training step.")
     p.add_argument("--model", default="llama2-7b", choices=sorted(CONFIGS), help="named Llama config")
-    p.add_argument("--world-size", type=int, default=8, help="number of ranks")
+    p.add_argument("--world-size", type=positive_int, default=8, help="number of ranks")
     p.add_argument("--strategy", default="fsdp2", choices=STRATEGIES)
-    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per rank")
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence")
     p.add_argument("--param-dtype", default="bfloat16", choices=DTYPES, help="parameter storage dtype")
     p.add_argument("--grad-dtype", default=None, choices=DTYPES, help="gradient dtype (default: param dtype)")
     p.add_argument("--compute-dtype", default=None, choices=DTYPES, help="activation dtype (default: param dtype)")
+    p.add_argument("--shard-group-size", type=positive_int, default=None,
+                   help="fsdp1_hybrid_shard: ranks per shard group, the GPUs of a node (default: 8, or the world size if smaller)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every block")
     p.add_argument("--cpu-offload", action="store_true", help="sharded states in host memory")
     p.add_argument("--qlora", action="store_true", help="NF4 base weights with LoRA adapters")
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep blocks gathered")
     p.add_argument("--unit", default="GiB", choices=("MiB", "GiB", "GB"))
-    p.set_defaults(func=run_estimate)
+    # a combination estimate() refuses is reported like any bad argument: usage, message, exit 2
+    p.set_defaults(func=run_estimate, usage_error=p.error)
     return p
 
 
 def run_estimate(args: argparse.Namespace) -> str:
-    """Run the estimate described by parsed ``args``; print and return the table (text)."""
+    """Run the estimate described by parsed ``args``; print and return the table (text).
+
+    A combination ``estimate`` refuses (e.g. ``--cpu-offload`` with ``ddp``) ends as a usage
+    error (SystemExit(2), the message on stderr) when ``args`` came from this parser; otherwise
+    its ValueError propagates.
+    """
     config = LlamaConfig.from_name(args.model)
-    breakdown = estimate(
-        config, world_size=args.world_size, strategy=args.strategy,
-        param_dtype=getattr(torch, args.param_dtype),
-        grad_dtype=getattr(torch, args.grad_dtype) if args.grad_dtype else None,
-        compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
-        optimizer=args.optimizer, batch_size=args.batch_size, seq_len=args.seq_len,
-        activation_checkpointing=args.ac, cpu_offload=args.cpu_offload, qlora=args.qlora,
-        reshard_after_forward=not args.no_reshard_after_forward)
+    try:
+        breakdown = estimate(
+            config, world_size=args.world_size, strategy=args.strategy,
+            param_dtype=getattr(torch, args.param_dtype),
+            grad_dtype=getattr(torch, args.grad_dtype) if args.grad_dtype else None,
+            compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
+            optimizer=args.optimizer, batch_size=args.batch_size, seq_len=args.seq_len,
+            activation_checkpointing=args.ac, cpu_offload=args.cpu_offload, qlora=args.qlora,
+            reshard_after_forward=not args.no_reshard_after_forward,
+            shard_group_size=getattr(args, "shard_group_size", None))
+    except ValueError as error:
+        usage_error = getattr(args, "usage_error", None)
+        if usage_error is None:
+            raise
+        usage_error(str(error))
     header = (f"{args.model} ({count_parameters(config) / 1e9:.2f} B parameters), {args.strategy}, "
               f"world size {args.world_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
               f"{args.param_dtype}{', QLoRA' if args.qlora else ''}{', checkpointing' if args.ac else ''}")
-    scale = {"MiB": 2**20, "GiB": 2**30, "GB": 1e9}[args.unit]
+    if args.strategy == "fsdp1_hybrid_shard":
+        header += f", shard groups of {getattr(args, 'shard_group_size', None) or min(8, args.world_size)} ranks"
+    scale = unit_scale(args.unit)
     lines = [header, breakdown.table(args.unit),
              f"{'model states':<18}{breakdown.model_states / scale:>12.3f} {args.unit}"]
     lines += [f"note: {n}" for n in breakdown.notes]

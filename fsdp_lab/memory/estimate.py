@@ -135,6 +135,10 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
     return parts
 
 
+def _largest_divisor_up_to(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
 def _bytes_of(dtype) -> int:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -170,11 +174,13 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     param_dtype) that of activations and of FSDP's unsharded parameters. ``batch_size`` is per
     rank. ``foreach`` models the multi-tensor optimizer (the default on CUDA), which holds one
     full-size temporary; the per-parameter loop (CPU default) holds the largest parameter's.
-    ``shard_group_size`` is the sharding group of ``fsdp1_hybrid_shard`` (default min(8, N)).
+    ``shard_group_size`` is the sharding group of ``fsdp1_hybrid_shard`` (default min(8, N): one
+    node of 8 GPUs, as PyTorch's HYBRID_SHARD shards within a node).
     With ``qlora`` the block linears are frozen NF4 weights with trainable LoRA adapters of
     rank ``lora_rank``; everything else is frozen in ``param_dtype``.
 
-    Raises ValueError for an unknown strategy/optimizer, bad sizes or non-float dtypes.
+    Raises ValueError for an unknown strategy/optimizer, bad sizes or non-float dtypes, and for
+    a ``fsdp1_hybrid_shard`` world that ``shard_group_size`` (or 8) does not divide.
     """
     if isinstance(config, str):
         config = LlamaConfig.from_name(config)
@@ -197,6 +203,11 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     shards = world_size
     if strategy == "fsdp1_hybrid_shard":
         shards = min(8, world_size) if shard_group_size is None else shard_group_size
+        if shard_group_size is None and world_size % shards:
+            raise ValueError(f"fsdp1_hybrid_shard shards within a node, 8 GPUs unless shard_group_size says "
+                             f"otherwise; world_size {world_size} is not a whole number of 8-GPU nodes: pass "
+                             f"shard_group_size (GPUs per node, e.g. {_largest_divisor_up_to(world_size, 8)}), "
+                             f"or a world size that is a multiple of 8")
         if shard_group_size is not None and (shard_group_size < 1 or world_size % shard_group_size):
             raise ValueError(f"shard_group_size ({shard_group_size}) must divide world_size ({world_size})")
     flat = strategy.startswith("fsdp1")
