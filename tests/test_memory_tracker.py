@@ -114,6 +114,12 @@ def test_bad_phase_module_is_named():
         MemoryTracker(small_model(), phase_modules=["nope"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a process that sees no GPU")
+def test_cuda_device_without_a_gpu_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="sees no CUDA GPU.*leave device out.*device='cpu'"):
+        MemoryTracker(small_model(), device="cuda")
+
+
 def test_result_pickles_and_merges():
     with MemoryTracker() as mt:
         keep = torch.empty(10)

@@ -86,7 +86,8 @@ class MemoryTracker(StorageLedger, TorchDispatchMode):
             else cpu). Fake tensors count as the device they pretend to be on.
         phase_modules: names of submodules that mark phases (default: see ``model``).
 
-    Raises ValueError for a ``phase_modules`` name the model does not have.
+    Raises ValueError for a ``phase_modules`` name the model does not have, or a CUDA
+    ``device`` when this process sees no GPU.
     """
 
     def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
@@ -97,6 +98,10 @@ class MemoryTracker(StorageLedger, TorchDispatchMode):
             param = next(iter(model.parameters()), None) if model is not None else None
             device = param.device if param is not None else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"MemoryTracker(device={str(device)!r}) but this process sees no CUDA GPU "
+                             f"(torch {torch.__version__}); leave device out to track the model's own "
+                             "device, or pass device='cpu'")
         self._device_type = self.device.type
         modules = _modules_by_name(model) if model is not None else {}
         if phase_modules is None:
