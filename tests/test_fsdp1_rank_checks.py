@@ -346,6 +346,24 @@ def test_wrap_policies_select_units():
         ModuleWrapPolicy([])
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sharding_strategy="SHARD_GRAD_OP"), "sharding_strategy must be a ShardingStrategy member .* got "
+                                              "'SHARD_GRAD_OP'; pass e.g. sharding_strategy=ShardingStrategy.SHARD_GRAD_OP"),
+    (dict(sharding_strategy="full"), "pass e.g. sharding_strategy=ShardingStrategy.FULL_SHARD"),
+    (dict(backward_prefetch="post"), "backward_prefetch must be a BackwardPrefetch member"),
+    (dict(cpu_offload=True), r"cpu_offload must be a CPUOffload or None, got True; pass e.g. "
+                             r"cpu_offload=CPUOffload\(offload_params=True\)"),
+    (dict(mixed_precision=torch.bfloat16), "mixed_precision must be a MixedPrecision or None"),
+    (dict(auto_wrap_policy={TransformerBlock}), "auto_wrap_policy must be callable"),
+])
+def test_fsdp1_options_of_the_wrong_type_are_refused_before_anything_runs(kwargs, message):
+    # a string strategy used to be accepted and compared by identity, so it acted as FULL_SHARD
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel
+
+    with pytest.raises(TypeError, match=message):
+        FullyShardedDataParallel(nn.Linear(4, 4), **kwargs)
+
+
 @pytest.mark.gpu
 def test_fsdp1_runs_on_cuda_and_matches_single_process():
     from fsdp_lab import launch

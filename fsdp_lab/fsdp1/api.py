@@ -61,3 +61,31 @@ class CPUOffload:
     the optimizer step then runs on CPU and each all-gather first copies the shard to the device."""
 
     offload_params: bool = False
+
+
+
+def check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy) -> None:
+    """Check the types of ``FullyShardedDataParallel``'s option arguments (each may also be None).
+
+    These are compared by identity deep inside FSDP (``strategy == ShardingStrategy.NO_SHARD``),
+    so a string such as "SHARD_GRAD_OP" would silently behave as another strategy.
+    Raises TypeError naming the argument, what it got and the value to pass instead.
+    """
+    options = [("sharding_strategy", sharding_strategy, ShardingStrategy),
+               ("backward_prefetch", backward_prefetch, BackwardPrefetch),
+               ("cpu_offload", cpu_offload, CPUOffload), ("mixed_precision", mixed_precision, MixedPrecision)]
+    for name, value, kind in options:
+        if value is None or isinstance(value, kind):
+            continue
+        if issubclass(kind, enum.Enum):
+            named = value.upper() if isinstance(value, str) else ""
+            example = f"{kind.__name__}.{named if named in kind.__members__ else next(iter(kind.__members__))}"
+            what = f"a {kind.__name__} member ({', '.join(kind.__members__)})"
+        else:
+            example = {CPUOffload: "CPUOffload(offload_params=True)",
+                       MixedPrecision: "MixedPrecision(param_dtype=torch.bfloat16)"}[kind]
+            what = f"a {kind.__name__}"
+        raise TypeError(f"{name} must be {what} or None, got {value!r}; pass e.g. {name}={example}")
+    if auto_wrap_policy is not None and not callable(auto_wrap_policy):
+        raise TypeError(f"auto_wrap_policy must be callable (module, recurse, nonwrapped_numel) -> bool, e.g. "
+                        f"ModuleWrapPolicy({{TransformerBlock}}), or None; got {auto_wrap_policy!r}")

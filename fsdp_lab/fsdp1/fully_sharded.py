@@ -22,7 +22,7 @@ from fsdp_lab import collectives
 from fsdp_lab.dist import current_device
 from fsdp_lab.fsdp1 import clip, groups
 from fsdp_lab.fsdp1 import state_dict as sd
-from fsdp_lab.fsdp1.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType
+from fsdp_lab.fsdp1.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType, check_option_types
 from fsdp_lab.fsdp1.flat_grad import GRAD_ACCUMULATION_MODES, GradConfig
 from fsdp_lab.fsdp1.flat_param import FlatParamHandle
 from fsdp_lab.fsdp1.handle import FlatHandle, handle_factory_for
@@ -49,6 +49,7 @@ class FullyShardedDataParallel(ShardedUnit):
     Raises:
         RuntimeError: no default process group; ``module`` (or one of its parameters) is
             already managed by an FSDP1 unit.
+        TypeError: an option of the wrong type (a string for ``sharding_strategy``, ...).
         ValueError: a process group this rank is not in or that does not span the world;
             HYBRID_SHARD on a world that does not factor; ``device_id`` without a GPU; a bad
             ``grad_accumulation``; ``use_orig_params=False``; ``keep_low_precision_grads``.
@@ -64,6 +65,7 @@ class FullyShardedDataParallel(ShardedUnit):
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
                  use_orig_params: bool = True, *, grad_accumulation: str = "flat"):
         super().__init__()
+        check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("FullyShardedDataParallel needs a process group: run under "
                                "fsdp_lab.launch(...) or call fsdp_lab.init_distributed() first")
