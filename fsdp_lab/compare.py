@@ -374,7 +374,8 @@ def compare(runs: list, *, model: str = "cpu", steps: int = MIN_STEPS, world_siz
 
     Raises:
         ValueError: runs whose parameter count or data differ (unless ``allow_mismatch``),
-            duplicate names, steps < 3, a batch not divisible by world_size, a bad setting.
+            duplicate names, steps < 3, a world size, batch or sequence length below 1, a batch
+            not divisible by world_size, a bad setting.
         TypeError: a run that is neither a dict nor a RunConfig, or has unknown settings.
     """
     configs = [_as_config(r) for r in runs]
@@ -386,6 +387,9 @@ def compare(runs: list, *, model: str = "cpu", steps: int = MIN_STEPS, world_siz
     if steps < MIN_STEPS:
         raise ValueError(f"steps must be >= {MIN_STEPS} (the first step warms up, the second is measured by "
                          f"MemoryTracker, the rest are timed), got {steps}")
+    for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if batch_size % world_size:
         raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
     problems = check_comparable(configs, model, seed, batch_size, seq_len)

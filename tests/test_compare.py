@@ -149,6 +149,11 @@ def test_bad_settings_are_named():
         compare([{}, {}])
     with pytest.raises(ValueError, match="steps must be >= 3"):
         compare([{}], steps=2)
+    # a world of 0 used to end in ZeroDivisionError from the divisibility check
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
+        compare([{}], world_size=0)
+    with pytest.raises(ValueError, match="seq_len must be an integer >= 1, got 0"):
+        compare([{}], seq_len=0)
 
 
 @pytest.mark.gpu
