@@ -139,7 +139,7 @@ def from_pretrained(directory: str | os.PathLike, model_class: Any = None, **kwa
     ``attn_implementation``), adds the adapters with the saved settings, and copies every
     tensor in: NF4 weights, adapters and the rest come back bit for bit. The float model is
     built once before quantization, so it must fit in CPU memory.
-    Raises FileNotFoundError when ``directory`` has no ``qlora_config.json`` (not written with
+    Raises FileNotFoundError when ``directory`` is not a folder or has no ``qlora_config.json`` (not written with
     ``nf4="packed"``: use transformers' ``from_pretrained``), ValueError when the files and
     the model built from the config disagree (the message names the keys).
     """
@@ -148,6 +148,9 @@ def from_pretrained(directory: str | os.PathLike, model_class: Any = None, **kwa
 
     directory = pathlib.Path(directory)
     settings_file = directory / QLORA_CONFIG
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory: pass the folder that "
+                                "fsdp_lab.hf.save_pretrained(model, folder, nf4='packed') wrote")
     if not settings_file.exists():
         raise FileNotFoundError(
             f"{settings_file} not found: {directory} was not written by fsdp_lab.hf.save_pretrained(..., "

@@ -309,3 +309,5 @@ def test_packed_nf4_refusals_say_what_to_do(tmp_path):
     hf.save_pretrained(model, tmp_path / "plain")
     with pytest.raises(FileNotFoundError, match="transformers' from_pretrained"):
         hf.from_pretrained(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError, match="no_such_folder is not a directory: pass the folder"):
+        hf.from_pretrained(tmp_path / "no_such_folder")
