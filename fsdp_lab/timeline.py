@@ -187,10 +187,17 @@ class Timeline:
 
         ``modules``: (name, module) pairs; default: the model's children, with
         ModuleList/Sequential containers opened one level (``layers.0``, ``layers.1`` …).
-        Hooks stay until ``detach()`` or the end of the ``with`` block.
+        Hooks stay until ``detach()`` or the end of the ``with`` block. Raises TypeError when
+        ``model`` (or a module in ``modules``) is not an ``nn.Module``.
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Timeline.attach needs the model (an nn.Module), got {type(model).__name__}")
         if modules is None:
             modules = default_units(model)
+        modules = list(modules)
+        wrong = [name for name, module in modules if not isinstance(module, nn.Module)]
+        if wrong:
+            raise TypeError(f"Timeline.attach: modules must be (name, nn.Module) pairs; {wrong} are not modules")
         # The first unit (an embedding) takes integer ids, so PyTorch warns that its backward hook
         # fires when its output gradient arrives. That moment is the event we record; the warning
         # would only print a machine-specific path into every lab that times a step.

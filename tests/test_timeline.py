@@ -178,3 +178,10 @@ def test_plot_phase_breakdown_stacks_phases_per_run():
     assert forward_widths == pytest.approx([1.0, 3.0])
     with pytest.raises(ValueError):
         plot_phase_breakdown({})
+
+
+def test_attach_refuses_what_is_not_a_module():
+    with pytest.raises(TypeError, match="needs the model \\(an nn.Module\\), got int"):
+        Timeline().attach(3)
+    with pytest.raises(TypeError, match=r"\['head'\] are not modules"):
+        Timeline().attach(nn.Linear(2, 2), modules=[("head", "not a module")])
