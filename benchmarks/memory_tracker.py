@@ -9,7 +9,10 @@ each is reported with its ratio to the plain step (target for the tracker <= 1.1
 do-nothing mode is the floor: what entering a Python ``TorchDispatchMode`` for every op costs
 before the tracker does any work. The profiler (``torch.profiler.profile(profile_memory=True)``,
 CPU activity, no shapes or stacks) is the other way to see every allocation: in C++, without
-Python per op, but recording an event per op and per allocation; its cost is shown beside ours. The ops of one step are counted, and each instrument's cost per op
+Python per op, but recording an event per op and per allocation; its cost is shown beside ours,
+and so is the same profiler recording allocations only (record functions limited to the user
+scope, so no op events): what seeing allocations from C++ costs at the least, through any
+instrument PyTorch ships. The ops of one step are counted, and each instrument's cost per op
 printed: a per-op instrument costs a fixed time per op, so its ratio falls as ops grow (bigger
 batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
@@ -46,6 +49,36 @@ class _DoNothingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+class _AllocationsOnly:
+    """PyTorch's profiler recording allocations but no op events (private API: absent on some
+    torch versions, see ``available``)."""
+
+    def __init__(self):
+        try:
+            from torch._C._autograd import _disable_profiler, _enable_profiler, _prepare_profiler
+            from torch._C._profiler import (ProfilerActivity, ProfilerConfig, ProfilerState, RecordScope,
+                                            _ExperimentalConfig)
+            # ProfilerConfig(state, report_input_shapes, profile_memory, with_stack, with_flops,
+            # with_modules, experimental_config)
+            self._config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
+                                          _ExperimentalConfig())
+            self._activities = {ProfilerActivity.CPU}
+            self._scopes = {RecordScope.USER_SCOPE}
+            self._enable, self._disable, self._prepare = _enable_profiler, _disable_profiler, _prepare_profiler
+            self.available = True
+        except (ImportError, AttributeError, TypeError):
+            self.available = False
+
+    def __enter__(self):
+        self._prepare(self._config, self._activities)
+        self._enable(self._config, self._activities, self._scopes)
+        return self
+
+    def __exit__(self, *exc):
+        self.allocations = sum(1 for e in self._disable().events() if e.name() == "[memory]")
+        return False
 
 
 class _CountOps(TorchDispatchMode):
@@ -97,13 +130,19 @@ def main() -> dict:
             activities = [torch.profiler.ProfilerActivity.CPU]
             with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False):
                 step()
+        elif kind == "allocations_only":
+            with allocations_only:
+                step()
         else:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         return clock() - start
 
+    allocations_only = _AllocationsOnly()
     kinds = ("plain", "dispatch_floor", "profiler_memory", "tracked")
+    if allocations_only.available:
+        kinds = kinds[:3] + ("allocations_only",) + kinds[3:]
     for _ in range(2):  # warm up every path
         for kind in kinds:
             timed(kind)
@@ -126,6 +165,10 @@ def main() -> dict:
     result["ratio"] = result["tracked_step_s"] / result["plain_step_s"]
     result["floor_ratio"] = result["dispatch_floor_step_s"] / result["plain_step_s"]
     result["profiler_memory_ratio"] = result["profiler_memory_step_s"] / result["plain_step_s"]
+    if allocations_only.available:
+        result["allocations_only_step_s"] = median["allocations_only"]
+        result["allocations_only_ratio"] = median["allocations_only"] / median["plain"]
+        result["allocations_per_step"] = allocations_only.allocations
     # the instrument's cost grows with the number of ops, the step's time with their size: a
     # step whose ops take on average this long (s) is within the 1.10 target
     result.update(ops_per_step=ops, plain_us_per_op=1e6 * median["plain"] / ops,
@@ -135,7 +178,9 @@ def main() -> dict:
     for kind in kinds:
         print(f"{kind:<16}{1e3 * median[kind]:>12.2f}{median[kind] / median['plain']:>8.3f}")
     print(f"ratio tracked/plain: {result['ratio']:.2f}  (target <= 1.10; a do-nothing dispatch mode alone: "
-          f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f})")
+          f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f}"
+          + (f", allocations only: {result['allocations_only_ratio']:.2f}" if allocations_only.available else "")
+          + ")")
     print(f"{ops} ops per step, {result['plain_us_per_op']:.1f} us each on average; the tracker adds "
           f"{per_op_us['tracked']:.1f} us per op (a do-nothing dispatch mode {per_op_us['dispatch_floor']:.1f} us), "
           f"so steps whose ops average {result['us_per_op_for_target']:.0f} us or more stay within 1.10")
