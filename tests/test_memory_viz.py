@@ -175,11 +175,15 @@ def test_snapshot_records_a_cuda_step(tmp_path):
     plt.close("all")
 
 
-def test_memory_colours_beside_a_timeline_cover_every_category_and_leave_the_all_gather_colour():
-    from fsdp_lab.viz.timeline_plots import _COLORS as TIMELINE_COLORS
+def test_memory_colours_beside_a_timeline_cover_every_category_and_share_none_with_the_timeline():
+    from fsdp_lab.viz.timeline_plots import _COLORS as TIMELINE_COLORS, _SPARE_COLORS
 
     assert set(COLORS_BESIDE_TIMELINE) == set(CATEGORIES)
-    assert COLORS_BESIDE_TIMELINE["activations"] != TIMELINE_COLORS["all_gather"]
+    colours = [c.lower() for c in COLORS_BESIDE_TIMELINE.values()]
+    assert len(set(colours)) == len(colours)
+    timeline = {c.lower() for c in [*TIMELINE_COLORS.values(), *_SPARE_COLORS]}
+    shared = {cat: c for cat, c in COLORS_BESIDE_TIMELINE.items() if c.lower() in timeline}
+    assert not shared, f"memory categories drawn in a timeline colour: {shared}"
 
 
 def test_every_memory_table_and_plot_takes_the_same_units_and_names_them_on_a_wrong_one():

@@ -19,8 +19,12 @@ COLORS = {
     "optimizer_state": "#C44E52", "activations": "#DD8452", "temporaries": "#CCB974",
     "comm_buffers": "#8172B3", "quantized": "#937860", "other": "#8C8C8C",
 }
-# Beside a timeline, where all-gathers are orange, activations are drawn pink instead.
-COLORS_BESIDE_TIMELINE = COLORS | {"activations": "#DA8BC3"}
+# Beside a timeline, no category wears a colour the timeline draws (forward blue, all-gathers
+# orange, reduce-scatters red, compute grey, ...), so each colour means one thing per figure.
+COLORS_BESIDE_TIMELINE = COLORS | {
+    "params": "#08519C", "grads": "#006D2C", "activations": "#FF9DA7", "optimizer_state": "#B07AA1", "temporaries": "#EDC948",
+    "comm_buffers": "#76B7B2", "quantized": "#D37295", "other": "#BAB0AC",
+}
 
 
 def _values(breakdown) -> dict[str, int]:
