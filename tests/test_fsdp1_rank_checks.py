@@ -355,12 +355,14 @@ def test_wrap_policies_select_units():
                              r"cpu_offload=CPUOffload\(offload_params=True\)"),
     (dict(mixed_precision=torch.bfloat16), "mixed_precision must be a MixedPrecision or None"),
     (dict(auto_wrap_policy={TransformerBlock}), "auto_wrap_policy must be callable"),
+    (dict(ignored_modules=["output"]), "ignored_modules must be nn.Modules .* got str"),
 ])
 def test_fsdp1_options_of_the_wrong_type_are_refused_before_anything_runs(kwargs, message):
     # a string strategy used to be accepted and compared by identity, so it acted as FULL_SHARD
+    from fsdp_lab import simulated_world
     from fsdp_lab.fsdp1 import FullyShardedDataParallel
 
-    with pytest.raises(TypeError, match=message):
+    with simulated_world(2), pytest.raises(TypeError, match=message):
         FullyShardedDataParallel(nn.Linear(4, 4), **kwargs)
 
 

@@ -89,6 +89,8 @@ class FullyShardedDataParallel(ShardedUnit):
         self.world_size = dist.get_world_size()
         ignored = set()
         for m in ignored_modules or ():
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"ignored_modules must be nn.Modules (e.g. [model.output]), got {type(m).__name__}")
             ignored.update(m.modules())
         self._ignored_modules = ignored
 
