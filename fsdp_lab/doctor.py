@@ -278,8 +278,8 @@ def check_launch(timeout: float = 120.0) -> Check:
 
 # Each check is looked up here by name when the doctor runs, so a test can replace one.
 CHECKS: list[str] = [
-    "check_platform", "check_python", "check_torch", "check_cuda", "check_nccl", "check_gloo", "check_jupyterlab",
-    "check_ipykernel", "check_ipywidgets", "check_widgets_extension", "check_nbval",
+    "check_platform", "check_python", "check_torch", "check_cuda", "check_nccl", "check_gloo",
+    "check_jupyterlab", "check_ipykernel", "check_ipywidgets", "check_widgets_extension", "check_nbval",
     "check_matplotlib",
 ]
 

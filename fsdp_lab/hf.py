@@ -139,9 +139,9 @@ def from_pretrained(directory: str | os.PathLike, model_class: Any = None, **kwa
     ``attn_implementation``), adds the adapters with the saved settings, and copies every
     tensor in: NF4 weights, adapters and the rest come back bit for bit. The float model is
     built once before quantization, so it must fit in CPU memory.
-    Raises FileNotFoundError when ``directory`` is not a folder or has no ``qlora_config.json`` (not written with
-    ``nf4="packed"``: use transformers' ``from_pretrained``), ValueError when the files and
-    the model built from the config disagree (the message names the keys).
+    Raises FileNotFoundError when ``directory`` is not a folder or has no ``qlora_config.json``
+    (not written with ``nf4="packed"``: use transformers' ``from_pretrained``), ValueError when
+    the files and the model built from the config disagree (the message names the keys).
     """
     import transformers
     from safetensors.torch import load_file

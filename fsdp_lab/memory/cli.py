@@ -30,7 +30,8 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-dtype", default=None, choices=DTYPES, help="gradient dtype (default: param dtype)")
     p.add_argument("--compute-dtype", default=None, choices=DTYPES, help="activation dtype (default: param dtype)")
     p.add_argument("--shard-group-size", type=positive_int, default=None,
-                   help="fsdp1_hybrid_shard: ranks per shard group, the GPUs of a node (default: 8, or the world size if smaller)")
+                   help="fsdp1_hybrid_shard: ranks per shard group, the GPUs of a node "
+                        "(default: 8, or the world size if smaller)")
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every block")
     p.add_argument("--cpu-offload", action="store_true", help="sharded states in host memory")
