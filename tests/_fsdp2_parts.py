@@ -320,8 +320,15 @@ def _part_bad_inputs():
     def int_reshard():
         fully_shard(nn.Linear(4, 4), reshard_after_forward=2)
 
+    def string_gradient_sync():  # "no" is truthy: it would have left syncing on
+        fully_shard(nn.Linear(4, 4)).set_requires_gradient_sync("no")
+
+    def int_reshard_after_backward():
+        fully_shard(nn.Linear(4, 4)).set_reshard_after_backward(0)
+
     out["errors"] = {}
-    for fn in (tied_separately, twice, mixed_devices, mesh_mismatch, integer_param, int_reshard):
+    for fn in (tied_separately, twice, mixed_devices, mesh_mismatch, integer_param, int_reshard,
+               string_gradient_sync, int_reshard_after_backward):
         try:
             fn()
             out["errors"][fn.__name__] = None

@@ -259,19 +259,22 @@ class FSDPModule:
         return [s.group for s in states.values() if s.group is not None]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True."""
+        """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True.
+        Raises TypeError for anything but a bool (a string such as "no" would read as True)."""
+        _require_bool("requires_gradient_sync", requires_gradient_sync)
         for group in self._groups(recurse):
-            group.requires_gradient_sync = bool(requires_gradient_sync)
+            group.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False: keep parameters gathered after backward (e.g. between gradient-accumulation steps)."""
+        """False: keep parameters gathered after backward (e.g. between gradient-accumulation steps).
+        Raises TypeError for anything but a bool."""
+        _require_bool("reshard_after_backward", reshard_after_backward)
         for group in self._groups(recurse):
-            group.reshard_after_backward = bool(reshard_after_backward)
+            group.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` at run time (bool only)."""
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        """Change ``reshard_after_forward`` at run time (bool only; TypeError otherwise)."""
+        _require_bool("reshard_after_forward", reshard_after_forward)
         for group in self._groups(recurse):
             group.reshard_after_forward = reshard_after_forward
 
@@ -282,6 +285,11 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """In backward, issue the all-gathers of ``modules`` (instead of the implicit next one)."""
         self._fsdp_state.backward_prefetch = _states_of(modules)
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def _states_of(modules: Iterable) -> list["_FSDPState"]:
