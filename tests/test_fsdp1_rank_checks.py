@@ -356,6 +356,8 @@ def test_wrap_policies_select_units():
     (dict(mixed_precision=torch.bfloat16), "mixed_precision must be a MixedPrecision or None"),
     (dict(auto_wrap_policy={TransformerBlock}), "auto_wrap_policy must be callable"),
     (dict(ignored_modules=["output"]), "ignored_modules must be nn.Modules .* got str"),
+    (dict(sync_module_states="no"), "sync_module_states must be True or False, got 'no'"),
+    (dict(limit_all_gathers=1), "limit_all_gathers must be True or False, got 1"),
 ])
 def test_fsdp1_options_of_the_wrong_type_are_refused_before_anything_runs(kwargs, message):
     # a string strategy used to be accepted and compared by identity, so it acted as FULL_SHARD

@@ -64,13 +64,19 @@ class CPUOffload:
 
 
 
-def check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy) -> None:
-    """Check the types of ``FullyShardedDataParallel``'s option arguments (each may also be None).
+def check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy,
+                       **flags) -> None:
+    """Check the types of ``FullyShardedDataParallel``'s option arguments (each may also be None)
+    and that each of ``flags`` (name=value) is a bool.
 
     These are compared by identity deep inside FSDP (``strategy == ShardingStrategy.NO_SHARD``),
-    so a string such as "SHARD_GRAD_OP" would silently behave as another strategy.
+    so a string such as "SHARD_GRAD_OP" would silently behave as another strategy, and a flag
+    given as "no" would read as True.
     Raises TypeError naming the argument, what it got and the value to pass instead.
     """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
     options = [("sharding_strategy", sharding_strategy, ShardingStrategy),
                ("backward_prefetch", backward_prefetch, BackwardPrefetch),
                ("cpu_offload", cpu_offload, CPUOffload), ("mixed_precision", mixed_precision, MixedPrecision)]

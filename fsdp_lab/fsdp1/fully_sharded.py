@@ -65,7 +65,9 @@ class FullyShardedDataParallel(ShardedUnit):
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
                  use_orig_params: bool = True, *, grad_accumulation: str = "flat"):
         super().__init__()
-        check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy)
+        check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy,
+                           sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                           limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("FullyShardedDataParallel needs a process group: run under "
                                "fsdp_lab.launch(...) or call fsdp_lab.init_distributed() first")
