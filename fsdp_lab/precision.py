@@ -40,6 +40,13 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _MAIN_FIELDS = ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
 
 
+def check_bool(field: str, value: Any) -> None:
+    """Raise TypeError unless ``value`` is True or False: flags given as strings ("no") or
+    numbers would otherwise read as truthy and silently switch a feature on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{field} must be True or False, got {value!r}")
+
+
 def check_float_dtype(field: str, dtype: torch.dtype | None) -> None:
     """Raise TypeError unless ``dtype`` is None or a floating dtype we can compute in."""
     if dtype is None:
@@ -65,7 +72,8 @@ class MixedPrecisionPolicy:
     main_grads_dtype: gradient accumulation dtype across microbatches (default float32).
     grad_comm_dtype: gradient dtype on the wire (default None = reduce_dtype rule).
 
-    Raises TypeError naming the field for a dtype that is not floating (int, bool, ...).
+    Raises TypeError naming the field for a dtype that is not floating (int, bool, ...) or a
+    flag that is not a bool.
     """
 
     param_dtype: torch.dtype | None = None
@@ -79,6 +87,7 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "output_dtype", *_MAIN_FIELDS):
             check_float_dtype(field, getattr(self, field))
+        check_bool("cast_forward_inputs", self.cast_forward_inputs)
 
     @classmethod
     def coerce(cls, policy: Any) -> "MixedPrecisionPolicy":
@@ -114,7 +123,8 @@ class MixedPrecision:
     to the sharded parameter's dtype after the reduce-scatter.
     main_params_dtype, main_grads_dtype, grad_comm_dtype: as in ``MixedPrecisionPolicy``.
 
-    Raises TypeError naming the field for a dtype that is not floating (int, bool, ...).
+    Raises TypeError naming the field for a dtype that is not floating (int, bool, ...) or a
+    flag that is not a bool.
     """
 
     param_dtype: torch.dtype | None = None
@@ -130,6 +140,8 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype", *_MAIN_FIELDS):
             check_float_dtype(field, getattr(self, field))
+        for field in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            check_bool(field, getattr(self, field))
 
 
 def compute_dtype(policy_param_dtype: torch.dtype | None, orig_dtype: torch.dtype) -> torch.dtype:

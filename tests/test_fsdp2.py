@@ -253,8 +253,8 @@ def test_public_unshard_and_reshard(extras):
     ("mesh_mismatch", "ValueError", "the mesh has 1 ranks but the world has 2"),
     ("integer_param", "TypeError", "floating-point"),
     ("int_reshard", "NotImplementedError", "not supported"),
-    ("string_gradient_sync", "TypeError", "requires_gradient_sync must be a bool, got 'no'"),
-    ("int_reshard_after_backward", "TypeError", "reshard_after_backward must be a bool, got 0"),
+    ("string_gradient_sync", "TypeError", "requires_gradient_sync must be True or False, got 'no'"),
+    ("int_reshard_after_backward", "TypeError", "reshard_after_backward must be True or False, got 0"),
 ])
 def test_bad_input_errors(extras, case, error, words):
     raised = extras["errors"][case]

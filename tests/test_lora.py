@@ -199,6 +199,10 @@ def test_apply_lora_errors():
         LoRALinear(nn.Linear(4, 4), rank=-1, alpha=1)
     with pytest.raises(TypeError, match="2-D weight"):
         LoRALinear(nn.ReLU(), rank=2, alpha=1)
+    with pytest.raises(TypeError, match="quantize_base must be True or False, got 'no'"):
+        apply_lora(TinyLM(), quantize_base="no")
+    with pytest.raises(TypeError, match="double_quant must be True or False, got 0"):
+        apply_lora(TinyLM(), double_quant=0)
 
 
 def test_qlora_on_the_lab_llama():

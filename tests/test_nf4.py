@@ -305,6 +305,8 @@ def test_bad_inputs_raise():
         to_nf4(torch.tensor(1.0))
     with pytest.raises(ValueError, match="even"):
         to_nf4(torch.randn(64), block_size=63)
+    with pytest.raises(TypeError, match="double_quant must be True or False, got 'no'"):
+        to_nf4(torch.randn(64), double_quant="no")
 
 
 def _model_with_nf4(seed: int) -> nn.Module:

@@ -450,6 +450,16 @@ def test_validation_names_the_field(cls, field, bad):
         cls(**{field: bad})
 
 
+@pytest.mark.parametrize("cls, field", [(MixedPrecisionPolicy, "cast_forward_inputs"),
+                                        (MixedPrecision, "cast_forward_inputs"),
+                                        (MixedPrecision, "cast_root_forward_inputs"),
+                                        (MixedPrecision, "keep_low_precision_grads")])
+def test_flags_must_be_bools(cls, field):
+    # "no" is truthy: accepted, it would have switched the cast on
+    with pytest.raises(TypeError, match=f"{field} must be True or False, got 'no'"):
+        cls(**{field: "no"})
+
+
 def test_a_wire_dtype_the_backend_cannot_reduce_is_a_clear_error(results):
     message = results[0]["unreducible"]
     assert "cannot reduce torch.bfloat16" in message and "float32" in message, message

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from fsdp_lab.precision import MixedPrecision
+from fsdp_lab.precision import MixedPrecision, check_bool
 
 __all__ = ["ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision", "StateDictType"]
 
@@ -75,8 +75,7 @@ def check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_
     Raises TypeError naming the argument, what it got and the value to pass instead.
     """
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+        check_bool(name, value)
     options = [("sharding_strategy", sharding_strategy, ShardingStrategy),
                ("backward_prefetch", backward_prefetch, BackwardPrefetch),
                ("cpu_offload", cpu_offload, CPUOffload), ("mixed_precision", mixed_precision, MixedPrecision)]

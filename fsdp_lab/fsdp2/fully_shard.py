@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
 from fsdp_lab.fsdp2.hooks import _FSDPState
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
-from fsdp_lab.precision import MixedPrecisionPolicy, param_dtypes
+from fsdp_lab.precision import MixedPrecisionPolicy, check_bool, param_dtypes
 
 __all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
 
@@ -261,20 +261,20 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True.
         Raises TypeError for anything but a bool (a string such as "no" would read as True)."""
-        _require_bool("requires_gradient_sync", requires_gradient_sync)
+        check_bool("requires_gradient_sync", requires_gradient_sync)
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: keep parameters gathered after backward (e.g. between gradient-accumulation steps).
         Raises TypeError for anything but a bool."""
-        _require_bool("reshard_after_backward", reshard_after_backward)
+        check_bool("reshard_after_backward", reshard_after_backward)
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (bool only; TypeError otherwise)."""
-        _require_bool("reshard_after_forward", reshard_after_forward)
+        check_bool("reshard_after_forward", reshard_after_forward)
         for group in self._groups(recurse):
             group.reshard_after_forward = reshard_after_forward
 
@@ -285,11 +285,6 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """In backward, issue the all-gathers of ``modules`` (instead of the implicit next one)."""
         self._fsdp_state.backward_prefetch = _states_of(modules)
-
-
-def _require_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def _states_of(modules: Iterable) -> list["_FSDPState"]:

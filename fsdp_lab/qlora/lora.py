@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_lab.precision import check_bool
 from fsdp_lab.qlora.nf4 import to_nf4
 from fsdp_lab.qlora.nf4_tensor import NF4Tensor
 
@@ -117,10 +118,12 @@ def apply_lora(
     only ``lora_a``/``lora_b`` parameters require grad; everything else is frozen.
     Raises ValueError for rank <= 0, when nothing matches (the message lists the linear
     layers there are) or when a layer already has adapters; TypeError when a matched
-    module is not an ``nn.Linear``.
+    module is not an ``nn.Linear`` or ``quantize_base``/``double_quant`` is not a bool.
     """
     if not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+    check_bool("quantize_base", quantize_base)
+    check_bool("double_quant", double_quant)
     if isinstance(target_modules, str):
         target_modules = (target_modules,)
     matched = [(n, m) for n, m in model.named_modules() if n and _matches(n, target_modules)]

@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fsdp_lab.precision import check_bool
 from fsdp_lab.qlora import nf4_fsdp
 from fsdp_lab.qlora.nf4_codec import (
     dequantize_nf4_blocks,
@@ -305,8 +306,9 @@ def to_nf4(
     The result reports ``tensor``'s shape, dtype and device and stores packed codes plus
     (double-quantized) scales. ``compile``: dequantize with a ``torch.compile``d kernel;
     None means yes on CUDA, no elsewhere. Raises ValueError for a non-float or 0-d
-    tensor or a bad block size.
+    tensor or a bad block size, TypeError for a ``double_quant`` that is not a bool.
     """
+    check_bool("double_quant", double_quant)
     return NF4Tensor.from_float(tensor, block_size=block_size, scaler_block_size=scaler_block_size,
                                 double_quant=double_quant, compile=compile)
 
