@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import oom, sync_points
+from fsdp_lab.precision import check_bool
 from fsdp_lab.oom import PeerOutOfMemoryError, agree, suspend_budget
 
 # Steps in a row whose allocator retries grew that count as an out-of-memory (Composer's rule).
@@ -125,7 +126,7 @@ class AutoMicrobatch:
         detect_thrashing: step down when CUDA allocator retries grow in ``THRASHING_STREAK`` (2)
             consecutive steps.
 
-    Raises ValueError for a bad size argument.
+    Raises ValueError for a bad size argument, TypeError for a ``detect_thrashing`` that is not a bool.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, global_batch_size: int,
@@ -135,6 +136,7 @@ class AutoMicrobatch:
         for name, value in (("global_batch_size", global_batch_size), ("min_microbatch", min_microbatch)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_bool("detect_thrashing", detect_thrashing)
         start = global_batch_size if start is None else start
         if not isinstance(start, int) or not min_microbatch <= start <= global_batch_size:
             raise ValueError(f"start must be an int between min_microbatch={min_microbatch} and "

@@ -36,6 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from fsdp_lab.launch import launch
+from fsdp_lab.precision import check_bool
 
 __all__ = ["RunConfig", "CompareResult", "compare", "build_run", "run_on_rank", "profiler_collective_order"]
 
@@ -84,6 +85,8 @@ class RunConfig:
     data_seed: int | None = None
 
     def __post_init__(self):
+        for flag in ("forward_prefetch", "limit_all_gathers", "reshard_after_forward", "cpu_offload", "synchronous"):
+            check_bool(flag, getattr(self, flag))
         _check_choice("implementation", self.implementation, IMPLEMENTATIONS)
         _check_choice("wrapping", self.wrapping, WRAPPINGS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)

@@ -149,6 +149,8 @@ def test_bad_settings_are_named():
         compare([{}, {}])
     with pytest.raises(ValueError, match="steps must be >= 3"):
         compare([{}], steps=2)
+    with pytest.raises(TypeError, match="cpu_offload must be True or False, got 'no'"):
+        RunConfig(cpu_offload="no")
     # a world of 0 used to end in ZeroDivisionError from the divisibility check
     with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
         compare([{}], world_size=0)

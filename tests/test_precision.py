@@ -460,6 +460,16 @@ def test_flags_must_be_bools(cls, field):
         cls(**{field: "no"})
 
 
+def test_offload_flags_must_be_bools():
+    from fsdp_lab.fsdp1 import CPUOffload
+    from fsdp_lab.fsdp2 import CPUOffloadPolicy
+
+    with pytest.raises(TypeError, match="offload_params must be True or False, got 'no'"):
+        CPUOffload(offload_params="no")
+    with pytest.raises(TypeError, match="pin_memory must be True or False, got 'no'"):
+        CPUOffloadPolicy(pin_memory="no")
+
+
 def test_a_wire_dtype_the_backend_cannot_reduce_is_a_clear_error(results):
     message = results[0]["unreducible"]
     assert "cannot reduce torch.bfloat16" in message and "float32" in message, message

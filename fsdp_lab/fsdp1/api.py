@@ -62,6 +62,9 @@ class CPUOffload:
 
     offload_params: bool = False
 
+    def __post_init__(self) -> None:
+        check_bool("offload_params", self.offload_params)
+
 
 
 def check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy,

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_lab.memory.tags import tag
-from fsdp_lab.precision import ParamDtypes
+from fsdp_lab.precision import ParamDtypes, check_bool
 
 __all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy", "padded_rows"]
 
@@ -67,6 +67,9 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool("pin_memory", self.pin_memory)
 
 
 def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
