@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import oom, sync_points
-from fsdp_lab.precision import check_bool
+from fsdp_lab.checks import check_bool
 from fsdp_lab.oom import PeerOutOfMemoryError, agree, suspend_budget
 
 # Steps in a row whose allocator retries grew that count as an out-of-memory (Composer's rule).

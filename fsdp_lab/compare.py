@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.precision import check_bool
+from fsdp_lab.checks import check_bool
 
 __all__ = ["RunConfig", "CompareResult", "compare", "build_run", "run_on_rank", "profiler_collective_order"]
 

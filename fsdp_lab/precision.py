@@ -36,15 +36,10 @@ from typing import Any
 
 import torch
 
+from fsdp_lab.checks import check_bool
+
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _MAIN_FIELDS = ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype")
-
-
-def check_bool(field: str, value: Any) -> None:
-    """Raise TypeError unless ``value`` is True or False: flags given as strings ("no") or
-    numbers would otherwise read as truthy and silently switch a feature on."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{field} must be True or False, got {value!r}")
 
 
 def check_float_dtype(field: str, dtype: torch.dtype | None) -> None:

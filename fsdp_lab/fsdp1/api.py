@@ -1,8 +1,9 @@
 """The knobs of FSDP1, with PyTorch's names and defaults (``torch.distributed.fsdp.api``).
 
 Nothing here runs: these are the enums and small dataclasses that
-``fsdp_lab.fsdp1.FullyShardedDataParallel`` reads. ``MixedPrecision`` is shared with
-FSDP2's policy module and re-exported from ``fsdp_lab.precision``.
+``fsdp_lab.fsdp1.FullyShardedDataParallel`` reads, and ``check_option_types``, which it calls
+first so a value of the wrong type (a string for an enum) is refused instead of misread.
+``MixedPrecision`` is shared with FSDP2's policy module and re-exported from ``fsdp_lab.precision``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from fsdp_lab.precision import MixedPrecision, check_bool
+from fsdp_lab.checks import check_bool
+from fsdp_lab.precision import MixedPrecision
 
 __all__ = ["ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision", "StateDictType"]
 

@@ -35,7 +35,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
 from fsdp_lab.fsdp2.hooks import _FSDPState
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
-from fsdp_lab.precision import MixedPrecisionPolicy, check_bool, param_dtypes
+from fsdp_lab.checks import check_bool
+from fsdp_lab.precision import MixedPrecisionPolicy, param_dtypes
 
 __all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
 

@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_lab.memory.tags import tag
-from fsdp_lab.precision import ParamDtypes, check_bool
+from fsdp_lab.checks import check_bool
+from fsdp_lab.precision import ParamDtypes
 
 __all__ = ["FSDPParam", "OffloadPolicy", "CPUOffloadPolicy", "padded_rows"]
 

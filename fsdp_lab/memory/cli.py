@@ -10,7 +10,7 @@ import argparse
 import torch
 
 from fsdp_lab.cli import positive_int
-from fsdp_lab.memory.estimate import OPTIMIZERS, STRATEGIES, estimate
+from fsdp_lab.memory.estimate import OPTIMIZERS, STRATEGIES, estimate, hybrid_shard_group_size
 from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.models.llama import CONFIGS, LlamaConfig, count_parameters
 
@@ -60,7 +60,7 @@ def run_estimate(args: argparse.Namespace) -> str:
             optimizer=args.optimizer, batch_size=args.batch_size, seq_len=args.seq_len,
             activation_checkpointing=args.ac, cpu_offload=args.cpu_offload, qlora=args.qlora,
             reshard_after_forward=not args.no_reshard_after_forward,
-            shard_group_size=getattr(args, "shard_group_size", None))
+            shard_group_size=args.shard_group_size)
     except ValueError as error:
         usage_error = getattr(args, "usage_error", None)
         if usage_error is None:
@@ -70,7 +70,7 @@ def run_estimate(args: argparse.Namespace) -> str:
               f"world size {args.world_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
               f"{args.param_dtype}{', QLoRA' if args.qlora else ''}{', checkpointing' if args.ac else ''}")
     if args.strategy == "fsdp1_hybrid_shard":
-        header += f", shard groups of {getattr(args, 'shard_group_size', None) or min(8, args.world_size)} ranks"
+        header += f", shard groups of {hybrid_shard_group_size(args.world_size, args.shard_group_size)} ranks"
     scale = unit_scale(args.unit)
     lines = [header, breakdown.table(args.unit),
              f"{'model states':<18}{breakdown.model_states / scale:>12.3f} {args.unit}"]

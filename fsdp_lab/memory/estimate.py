@@ -135,8 +135,22 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
     return parts
 
 
-def _largest_divisor_up_to(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+def hybrid_shard_group_size(world_size: int, shard_group_size: int | None = None) -> int:
+    """Ranks per shard group of ``fsdp1_hybrid_shard``: ``shard_group_size``, default one node of
+    8 GPUs (min(8, world_size)), as PyTorch's HYBRID_SHARD shards within a node. Raises
+    ValueError when the group does not divide ``world_size``, naming a group that would."""
+    if shard_group_size is None:
+        group = min(8, world_size)
+        if world_size % group:
+            fits = max(d for d in range(1, group + 1) if world_size % d == 0)
+            raise ValueError(f"fsdp1_hybrid_shard shards within a node, 8 GPUs unless shard_group_size says "
+                             f"otherwise; world_size {world_size} is not a whole number of 8-GPU nodes: pass "
+                             f"shard_group_size (GPUs per node, e.g. {fits}), or a world size that is a "
+                             "multiple of 8")
+        return group
+    if shard_group_size < 1 or world_size % shard_group_size:
+        raise ValueError(f"shard_group_size ({shard_group_size}) must divide world_size ({world_size})")
+    return shard_group_size
 
 
 def _bytes_of(dtype) -> int:
@@ -202,14 +216,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     sharded = strategy in ("fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_hybrid_shard", "fsdp2")
     shards = world_size
     if strategy == "fsdp1_hybrid_shard":
-        shards = min(8, world_size) if shard_group_size is None else shard_group_size
-        if shard_group_size is None and world_size % shards:
-            raise ValueError(f"fsdp1_hybrid_shard shards within a node, 8 GPUs unless shard_group_size says "
-                             f"otherwise; world_size {world_size} is not a whole number of 8-GPU nodes: pass "
-                             f"shard_group_size (GPUs per node, e.g. {_largest_divisor_up_to(world_size, 8)}), "
-                             f"or a world size that is a multiple of 8")
-        if shard_group_size is not None and (shard_group_size < 1 or world_size % shard_group_size):
-            raise ValueError(f"shard_group_size ({shard_group_size}) must divide world_size ({world_size})")
+        shards = hybrid_shard_group_size(world_size, shard_group_size)
     flat = strategy.startswith("fsdp1")
 
     # ---- parameters: which are trainable, which quantised, how each is sharded ----------
@@ -431,4 +438,4 @@ def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, s
 
 
 __all__ = ["Breakdown", "estimate", "activation_bytes", "parameter_shapes", "deepspeed_model_states",
-           "measure_step", "STRATEGIES", "MEASURABLE", "OPTIMIZERS", "count_parameters"]
+           "measure_step", "hybrid_shard_group_size", "STRATEGIES", "MEASURABLE", "OPTIMIZERS", "count_parameters"]

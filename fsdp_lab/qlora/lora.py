@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.precision import check_bool
+from fsdp_lab.checks import check_bool
 from fsdp_lab.qlora.nf4 import to_nf4
 from fsdp_lab.qlora.nf4_tensor import NF4Tensor
 

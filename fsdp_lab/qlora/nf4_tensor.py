@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fsdp_lab.precision import check_bool
+from fsdp_lab.checks import check_bool
 from fsdp_lab.qlora import nf4_fsdp
 from fsdp_lab.qlora.nf4_codec import (
     dequantize_nf4_blocks,

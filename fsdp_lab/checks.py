@@ -1,0 +1,12 @@
+"""Argument checks shared by the public API: each raises an error that names the argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_bool(field: str, value: Any) -> None:
+    """Raise TypeError unless ``value`` is True or False: flags given as strings ("no") or
+    numbers would otherwise read as truthy and silently switch a feature on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{field} must be True or False, got {value!r}")
