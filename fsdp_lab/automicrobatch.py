@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import oom, sync_points
-from fsdp_lab.checks import check_bool
+from fsdp_lab.checks import check_bool, check_positive_int
 from fsdp_lab.oom import PeerOutOfMemoryError, agree, suspend_budget
 
 # Steps in a row whose allocator retries grew that count as an out-of-memory (Composer's rule).
@@ -134,8 +134,7 @@ class AutoMicrobatch:
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, stable_steps: int = 3,
                  detect_thrashing: bool = True):
         for name, value in (("global_batch_size", global_batch_size), ("min_microbatch", min_microbatch)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, value)
         check_bool("detect_thrashing", detect_thrashing)
         start = global_batch_size if start is None else start
         if not isinstance(start, int) or not min_microbatch <= start <= global_batch_size:

@@ -10,3 +10,10 @@ def check_bool(field: str, value: Any) -> None:
     numbers would otherwise read as truthy and silently switch a feature on."""
     if not isinstance(value, bool):
         raise TypeError(f"{field} must be True or False, got {value!r}")
+
+
+def check_positive_int(field: str, value: Any) -> None:
+    """Raise ValueError unless ``value`` is an int >= 1 (a bool is refused: ``True`` would be read
+    as 1). ``field`` names the argument in the message, e.g. ``"world_size"``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field} must be a positive int, got {value!r}")

@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.checks import check_bool
+from fsdp_lab.checks import check_bool, check_positive_int
 
 __all__ = ["RunConfig", "CompareResult", "compare", "build_run", "run_on_rank", "profiler_collective_order"]
 
@@ -391,8 +391,7 @@ def compare(runs: list, *, model: str = "cpu", steps: int = MIN_STEPS, world_siz
         raise ValueError(f"steps must be >= {MIN_STEPS} (the first step warms up, the second is measured by "
                          f"MemoryTracker, the rest are timed), got {steps}")
     for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_int(name, value)
     if batch_size % world_size:
         raise ValueError(f"batch_size {batch_size} is not divisible by world_size {world_size}")
     problems = check_comparable(configs, model, seed, batch_size, seq_len)

@@ -27,6 +27,8 @@ from typing import Iterator, NoReturn
 import torch
 import torch.distributed as dist
 
+from fsdp_lab.checks import check_positive_int
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 # launch.py sets this in each child so current_device() needs no process-group query.
@@ -47,8 +49,7 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
         ValueError: ``world_size`` < 1, an unknown backend, or ``backend="nccl"`` with fewer
             GPUs than ranks or without NCCL in this torch build.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    check_positive_int("world_size", world_size)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
     n_gpus = torch.cuda.device_count()
@@ -235,8 +236,7 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[SimulatedWorld]:
         ValueError: world_size < 1 or rank outside [0, world_size).
         RuntimeError: a process group (real or simulated) is already initialised.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    check_positive_int("world_size", world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
     if dist.is_initialized():

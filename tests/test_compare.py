@@ -152,9 +152,9 @@ def test_bad_settings_are_named():
     with pytest.raises(TypeError, match="cpu_offload must be True or False, got 'no'"):
         RunConfig(cpu_offload="no")
     # a world of 0 used to end in ZeroDivisionError from the divisibility check
-    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="world_size must be a positive int, got 0"):
         compare([{}], world_size=0)
-    with pytest.raises(ValueError, match="seq_len must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="seq_len must be a positive int, got 0"):
         compare([{}], seq_len=0)
 
 

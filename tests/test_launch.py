@@ -308,8 +308,8 @@ def test_unguarded_script_and_stdin_callers_run_their_body_once(tmp_path, how):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(world_size=0), "world_size must be an integer >= 1"),
-    (dict(world_size=2.0), "world_size must be an integer >= 1"),
+    (dict(world_size=0), "world_size must be a positive int"),
+    (dict(world_size=2.0), "world_size must be a positive int"),
     (dict(backend="mpi"), "unknown backend 'mpi'"),
     (dict(backend="nccl", world_size=torch.cuda.device_count() + 1), "backend='gloo'"),
     (dict(timeout=0), "timeout must be a positive number"),

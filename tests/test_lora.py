@@ -197,6 +197,8 @@ def test_apply_lora_errors():
         apply_lora(model, target_modules=("wq",))
     with pytest.raises(ValueError, match="rank must be a positive"):
         LoRALinear(nn.Linear(4, 4), rank=-1, alpha=1)
+    with pytest.raises(ValueError, match="LoRA rank must be a positive int, got True"):
+        apply_lora(TinyLM(), rank=True)
     with pytest.raises(TypeError, match="2-D weight"):
         LoRALinear(nn.ReLU(), rank=2, alpha=1)
     with pytest.raises(TypeError, match="quantize_base must be True or False, got 'no'"):

@@ -81,6 +81,17 @@ def test_config_validation():
     assert CONFIGS["cpu"].n_layers == 4  # overrides do not touch the registry
 
 
+@pytest.mark.parametrize("make, field", [
+    (lambda: LlamaConfig(n_layers=True), "LlamaConfig.n_layers"),
+    (lambda: synthetic_batch(64, True, 8), "batch_size"),
+    (lambda: synthetic_batch(64, 2, 8).split(True), "microbatch_size"),
+])
+def test_sizes_refuse_bools(make, field):
+    # True == 1 in Python: a flag passed where a size belongs would silently mean 1
+    with pytest.raises(ValueError, match=f"{field} must be a positive int, got True"):
+        make()
+
+
 # ---------------------------------------------------------------- construction and init
 
 class RecordDevices(TorchDispatchMode):

@@ -34,6 +34,7 @@ import math
 
 import torch
 
+from fsdp_lab.checks import check_positive_int
 from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.models.llama import LlamaConfig, count_parameters
@@ -203,8 +204,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int(name, value)
     p = _bytes_of(param_dtype)
     g = _bytes_of(grad_dtype if grad_dtype is not None else param_dtype)
     c = _bytes_of(compute_dtype if compute_dtype is not None else param_dtype)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_lab.checks import check_positive_int
+
 SUCCESSOR_PROBS = (0.7, 0.15, 0.1, 0.05)  # probability of each of a token's possible next tokens
 SUCCESSORS = len(SUCCESSOR_PROBS)
 
@@ -50,8 +52,7 @@ class Batch:
 
         Raises ValueError if ``microbatch_size`` is not a positive int.
         """
-        if not isinstance(microbatch_size, int) or microbatch_size <= 0:
-            raise ValueError(f"microbatch_size must be a positive int, got {microbatch_size!r}")
+        check_positive_int("microbatch_size", microbatch_size)
         return [Batch(i, l) for i, l in zip(self.input_ids.split(microbatch_size),
                                             self.labels.split(microbatch_size))]
 
@@ -97,8 +98,7 @@ def synthetic_batch(vocab_size: int, batch_size: int, seq_len: int, *, seed: int
     tensors. Raises ValueError for non-positive sizes.
     """
     for label, value in (("vocab_size", vocab_size), ("batch_size", batch_size), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{label} must be a positive int, got {value!r}")
+        check_positive_int(label, value)
     table = markov_chain(vocab_size, seed)
     generator = torch.Generator().manual_seed(_seed_for("batch", seed, rank, step))
     first = torch.randint(0, vocab_size, (batch_size,), generator=generator)

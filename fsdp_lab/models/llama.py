@@ -15,6 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_lab.checks import check_positive_int
+
 INIT_STD = 0.02  # std of the normal init for every linear and embedding weight
 
 
@@ -36,9 +38,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LlamaConfig.{field} must be a positive int, got {value!r}")
+            check_positive_int(f"LlamaConfig.{field}", getattr(self, field))
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
                              f"choose n_heads among the divisors of dim")

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_lab.checks import check_bool
+from fsdp_lab.checks import check_bool, check_positive_int
 from fsdp_lab.qlora.nf4 import to_nf4
 from fsdp_lab.qlora.nf4_tensor import NF4Tensor
 
@@ -46,8 +46,7 @@ class LoRALinear(nn.Module):
         weight = getattr(base, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise TypeError(f"LoRALinear needs a module with a 2-D weight (out x in), got {type(base).__name__}")
-        if not isinstance(rank, int) or rank <= 0:
-            raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+        check_positive_int("LoRA rank", rank)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
         self.out_features, self.in_features = weight.shape
@@ -120,8 +119,7 @@ def apply_lora(
     layers there are) or when a layer already has adapters; TypeError when a matched
     module is not an ``nn.Linear`` or ``quantize_base``/``double_quant`` is not a bool.
     """
-    if not isinstance(rank, int) or rank <= 0:
-        raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+    check_positive_int("LoRA rank", rank)
     check_bool("quantize_base", quantize_base)
     check_bool("double_quant", double_quant)
     if isinstance(target_modules, str):
