@@ -8,6 +8,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fsdp_lab.memory import snapshot  # noqa: E402
+from fsdp_lab.memory.estimate import estimate  # noqa: E402
 from fsdp_lab.memory.tracker import MemoryTracker  # noqa: E402
 from fsdp_lab.memory.tags import CATEGORIES  # noqa: E402
 from fsdp_lab.viz.memory_plots import (COLORS_BESIDE_TIMELINE, plot_breakdown, plot_estimate_vs_measured,  # noqa: E402
@@ -123,6 +124,21 @@ def test_explorer_redraws_on_change_and_overlays_a_measurement():
         ex.controls[control].value = before
     with pytest.raises(ValueError, match="unknown control"):
         MemoryExplorer(colour="red")
+
+
+def test_explorer_hybrid_shards_within_the_chosen_node():
+    ex = MemoryExplorer(model="cpu", world_size=12, strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=32)
+    ex.explorer.update()  # 12 GPUs are not whole 8-GPU nodes: the control that fixes it is named
+    assert "not a whole number of 8-GPU nodes" in ex.explorer.last_text and "GPUs/node" in ex.explorer.last_text
+    ex.controls["gpus_per_node"].value = 4
+    # hybrid on 3 nodes of 4 holds what FULL_SHARD over 4 ranks holds, replicated per node
+    full_shard_on_4 = estimate("cpu", world_size=4, strategy="fsdp1_full_shard", batch_size=1, seq_len=32)
+    assert ex.estimate().phases == full_shard_on_4.phases
+    assert "sharded_params" in ex.explorer.last_text  # redrawn: the error is gone
+    ex.controls["world_size"].value = 2  # less than a node: one node of 2
+    full_shard_on_2 = estimate("cpu", world_size=2, strategy="fsdp1_full_shard", batch_size=1, seq_len=32)
+    assert ex.estimate().phases == full_shard_on_2.phases
+    plt.close("all")
 
 
 def synthetic_snapshot():

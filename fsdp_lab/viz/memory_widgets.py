@@ -1,4 +1,5 @@
-"""MemoryExplorer: pick a model, world size, strategy, dtypes, batch and sequence length and see
+"""MemoryExplorer: pick a model, world size (and GPUs per node, for hybrid sharding), strategy,
+dtypes, batch and sequence length and see
 the estimated per-rank breakdown; "measure" runs the same step for real and overlays it.
 
 Built on ``fsdp_lab.viz.widgets.Explorer`` (controls + a figure redrawn on every change). The
@@ -21,6 +22,7 @@ from fsdp_lab.viz.widgets import Explorer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MEASURE_MAX_WORLD = 4  # real ranks on this machine; larger worlds are measured simulated (rank 0)
+GPUS_PER_NODE = [1, 2, 4, 8, 16]
 
 
 def measure(settings: dict, simulated: bool | None = None):
@@ -68,6 +70,8 @@ class MemoryExplorer:
             "model": widgets.Dropdown(options=list(CONFIGS), value="cpu", description="model"),
             "world_size": widgets.IntSlider(value=2, min=1, max=64, description="world size"),
             "strategy": widgets.Dropdown(options=list(STRATEGIES), value="fsdp2", description="strategy"),
+            # fsdp1_hybrid_shard shards within a node and replicates across nodes
+            "gpus_per_node": widgets.Dropdown(options=GPUS_PER_NODE, value=8, description="GPUs/node"),
             "param_dtype": widgets.Dropdown(options=list(DTYPES), value="float32", description="params"),
             "grad_dtype": widgets.Dropdown(options=["same"] + list(DTYPES), value="same", description="grads"),
             "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value="adamw", description="optimizer"),
@@ -99,10 +103,19 @@ class MemoryExplorer:
         return tuple(sorted(settings.items()))
 
     def estimate(self, settings: dict | None = None):
-        """The Breakdown for the current (or given) settings."""
+        """The Breakdown for the current (or given) settings. Raises ValueError for a setting the
+        estimate refuses (e.g. a hybrid world that is not a whole number of nodes)."""
         s = settings or self.settings()
         grad = None if s["grad_dtype"] == "same" else DTYPES[s["grad_dtype"]]
-        return estimate(s["model"], world_size=s["world_size"], strategy=s["strategy"],
+        group = None
+        if s["strategy"] == "fsdp1_hybrid_shard":
+            # a world smaller than a node is one partly filled node
+            group = min(s.get("gpus_per_node", 8), s["world_size"])
+            if s["world_size"] % group:
+                raise ValueError(f"fsdp1_hybrid_shard shards within a node: {s['world_size']} GPUs are not a whole "
+                                 f"number of {group}-GPU nodes; pick a world size that is a multiple of "
+                                 f"{group}, or other GPUs/node")
+        return estimate(s["model"], world_size=s["world_size"], strategy=s["strategy"], shard_group_size=group,
                         param_dtype=DTYPES[s["param_dtype"]], grad_dtype=grad, optimizer=s["optimizer"],
                         batch_size=s["batch_size"], seq_len=s["seq_len"],
                         activation_checkpointing=s["activation_checkpointing"], cpu_offload=s["cpu_offload"],
@@ -116,6 +129,8 @@ class MemoryExplorer:
         fig, ax = plt.subplots(figsize=(7, 4))
         measured = self.measured.get(self._key(s))
         title = f"{s['model']}, {s['strategy']}, N={s['world_size']}, batch {s['batch_size']} x {s['seq_len']}"
+        if s["strategy"] == "fsdp1_hybrid_shard":
+            title += f", {min(s.get('gpus_per_node', 8), s['world_size'])} GPUs/node"
         if measured is None:
             plot_breakdown({"estimate": est}, ax=ax, unit=unit, title=title)
         else:
