@@ -380,9 +380,9 @@ CELLS = [
     * the FSDP2 + NF4 talk's headline (REFERENCES.md): 12.88 GiB with FSDP1 + bitsandbytes against 12.60 GiB
       with FSDP2 + torchao's NF4, batch 8 × 2048 tokens (which memory statistic is not stated);
     * Answer.AI's fsdp_qlora benchmarks (`benchmarks_03_2024.md`) report 4.98 GiB, the allocator's peak
-      *reserved* memory (`torch.cuda.max_memory_reserved`) with the script's defaults: LoRA rank 64 on q, k,
-      v, gate, up and down (not o), batch 1 × 512, reentrant gradient checkpointing, pure bf16, FSDP1 +
-      bitsandbytes.
+      *reserved* memory (`torch.cuda.max_memory_reserved`) for the command on that page: the script's default
+      LoRA rank 64 on q, k, v, gate, up and down (not o), batch 1 × 512, pure bf16, FSDP1 + bitsandbytes, with
+      reentrant checkpointing and no CPU offload (both flags set against the script's defaults).
 
     The estimator counts *live* bytes for the same model and batch shapes (with gradient checkpointing in both
     settings), with adapters on all seven linears of each block (`LORA_TARGETS` in

@@ -128,18 +128,18 @@ CELLS = [
     Now with sync hooks (the default while `AutoMicrobatch` is unsettled). Composer's hook runs a **pair** of
     one-element all-reduces: MAX of "I ran out", then MIN of "I am done with the batch" (0 from a rank still
     inside it). This package sends both flags in **one** two-element MAX all-reduce, `[oom, not_done]`, since
-    MIN(done) = 1 − MAX(not done). The healthy rank learns of the failure there and raises
-    `PeerOutOfMemoryError` instead of entering the all-gather; both ranks clean up FSDP state
-    (`FSDPModule.recover_from_error()`: free gathered parameters, drop partial gradients), step the microbatch
-    down and retry the same data.
+    MIN(done) = 1 − MAX(not done). The healthy rank learns of the failure there and raises `PeerOutOfMemoryError`
+    instead of entering the all-gather; both ranks clean up FSDP state (`FSDPModule.recover_from_error()`: free
+    gathered parameters, drop partial gradients), step the microbatch down and retry the same data.
 
     We make rank 1 fail at the points where `inject_oom` aims in `CASES` below (`pre_forward`, `pre_backward`,
     `post_backward` and `optimizer_step`), then in the middle of an allocation in forward and in backward
     (`memory_budget(..., fail_at=(phase, n))`, the n-th allocation of that phase, as the table names it: a
     real `torch.OutOfMemoryError` raised by the emulated allocator, away from any sync point), all in one
     launch. The `optimizer_step` point fires *before* the step, so its OOM is retried like the others; an OOM
-    inside `optimizer.step()` itself raises `OptimizerStepOOMError` on every rank and is not retried, since
-    the step's memory does not depend on the microbatch size.
+    inside `optimizer.step()` itself raises `OptimizerStepOOMError` (on every rank while the sync hooks are
+    on, on the failing rank alone once they are off) and is not retried: the step's memory does not depend on
+    the microbatch size.
     """),
     code("""
     LEAK_CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "activations", "sharded_grads")
