@@ -345,9 +345,10 @@ CELLS = [
       the compute dtype (bf16); the post-backward hook casts it with a single `.to(reduce_dtype)`. There
       is no per-parameter fp32 copy; for a moment the bf16 flat gradient and its fp32 copy coexist. Under
       `no_sync` it accumulates the unsharded gradient in the compute dtype.
-    * **`grad_accumulation="concat"`** here is fairscale's `optimize_backward_concat` as first written
-      (PR #1184, 2024, on its Llama-3 training branch, not `main`): an fp32 copy per parameter, kept
-      across microbatches, concatenated on the last one — the copies and the concatenation coexist.
+    * **`grad_accumulation="concat"`** here follows fairscale's `optimize_backward_concat` as first written
+      (PR #1184, 2024, on its Llama-3 training branch, not `main`): an fp32 copy per parameter, concatenated
+      once all of a backward's gradients exist (under `no_sync`, into a flat fp32 buffer kept for the next
+      microbatch) — the copies and the concatenation coexist.
     * **`"flat"`** (the default) is fairscale's follow-up (PR #1186): one pre-allocated fp32 flat buffer,
       each gradient added straight into its slice, so at most one parameter's bf16 gradient exists beside
       it. The PR reports 17.4 → 15.1 GB peak reserved memory with identical loss.
