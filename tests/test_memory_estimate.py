@@ -64,9 +64,29 @@ def test_activation_formula_by_hand():
     assert block == 1_444_864
     parts = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32)
     assert parts["per_block"] == block
-    assert parts["total"] == 4 * block + norm + 4 * T * 512 + 8 * T
+    # the loss keeps its float32 log-softmax and the int64 labels, the embedding the int64 input ids
+    assert parts["loss"] == 4 * T * 512 + 8 * T and parts["input_ids"] == 8 * T
+    assert parts["total"] == 4 * block + norm + 4 * T * 512 + 8 * T + 8 * T
     ac = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32, activation_checkpointing=True)
     assert ac["blocks"] == 4 * 4 * T * d and ac["recompute"] == block
+
+
+
+@pytest.mark.parametrize("batch_made", ["before tracking", "inside the step"])
+def test_activations_after_forward_match_the_formula_wherever_the_batch_was_made(batch_made):
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    model = Llama("cpu", seed=0)
+    made_before = global_batch(model.config.vocab_size, 2, 64)
+    with MemoryTracker(model) as mt:
+        batch = made_before if batch_made == "before tracking" else global_batch(model.config.vocab_size, 2, 64)
+        out = model(batch)
+        measured = mt.current()["activations"]
+    del out
+    formula = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32)["total"]
+    assert 0 <= measured - formula <= 8  # the loss's own float32 scalars, which the formula leaves out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -94,6 +94,31 @@ def test_explicit_tags_and_scope_win():
     del buf, q
 
 
+@pytest.mark.parametrize("batch_made", ["before tracking", "inside the step"])
+def test_saved_batch_counts_as_activations_wherever_it_was_made(batch_made):
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    model = Llama("cpu", seed=0)
+    tokens = 2 * 16
+    made_before = global_batch(model.config.vocab_size, 2, 16)
+    with MemoryTracker(model) as mt:
+        batch = made_before if batch_made == "before tracking" else global_batch(model.config.vocab_size, 2, 16)
+
+        def category(t):
+            return mt._live[t.untyped_storage()._cdata].category
+
+        out = model(batch)
+        # the embedding saves the input ids, the loss its labels: 8 bytes a token each
+        assert batch.input_ids.nbytes == batch.labels.nbytes == 8 * tokens
+        assert category(batch.input_ids) == category(batch.labels) == "activations"
+        # RoPE's tables are saved by its multiplications but stay the model's buffers
+        assert all(category(b) == "other" for b in model.buffers())
+        out.loss.backward()
+        released = "other" if batch_made == "before tracking" else "temporaries"
+        assert category(batch.input_ids) == category(batch.labels) == released
+
+
 def test_timeline_has_phase_boundaries():
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

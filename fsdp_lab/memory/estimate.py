@@ -19,11 +19,13 @@ the loss in float32, hence the 4s):
                   + 4*e*T*f        (SwiGLU: w1 out, w3 out, silu(w1 out), their product)
     whole model   = L * per block + RMSNorm (final; its output is the input of ``output``)
                   + 4*T*V (float32 log-softmax output kept by the loss)
+                  + 8*T (the int64 labels the loss keeps)
                   + 8*T (the int64 input ids the embedding saves for its weight's gradient)
 
 With activation checkpointing a block keeps only its input (e*T*d) and one block's full
 activations are recomputed at a time in backward. The loss gradient adds 8*T*V bytes
-(float32 gradients of log-probabilities and logits) at the start of backward. The logits
+(float32 gradients of log-probabilities and logits) at the start of backward, once the loss
+has let go of its labels; the input ids stay saved until the embedding's backward. The logits
 themselves (e*T*V) count only while the caller holds the model output (assumed not).
 """
 
@@ -111,10 +113,11 @@ def parameter_shapes(config: LlamaConfig) -> list[tuple[str, str, tuple[int, ...
 
 def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=torch.float32,
                      activation_checkpointing: bool = False, lora_rank: int = 0) -> dict[str, int]:
-    """Bytes saved for backward, by part: ``per_block``, ``blocks`` (all L), ``final_norm``,
-    ``loss`` (the log-softmax output, 4TV, plus the int64 input ids the embedding saves, 8T),
-    ``total``; plus ``recompute`` (one block's activations rebuilt in backward under
-    checkpointing, else 0). Formula in the module docstring.
+    """Bytes saved for backward after forward, by part: ``per_block``, ``blocks`` (all L),
+    ``final_norm``, ``loss`` (what the loss keeps: its log-softmax output, 4TV, and the int64
+    labels, 8T), ``input_ids`` (the int64 ids the embedding saves, 8T), ``total``; plus
+    ``recompute`` (one block's activations rebuilt in backward under checkpointing, else 0)
+    and ``backward_transient``. Formula in the module docstring.
 
     ``lora_rank`` > 0 means QLoRA: only the adapters train, so a norm's weight is frozen and
     its normalised output is not saved for the weight's gradient (e*T*d less per norm), and
@@ -130,9 +133,9 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
     block += 7 * e * T * lora_rank  # LoRA: each adapted linear saves its A output for B
     kept = e * T * d if activation_checkpointing else block
     parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": final_norm,
-             "loss": 4 * T * V + 8 * T, "recompute": block if activation_checkpointing else 0,
+             "loss": 4 * T * V + 8 * T, "input_ids": 8 * T, "recompute": block if activation_checkpointing else 0,
              "backward_transient": 2 * e * T * f}
-    parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"]
+    parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"] + parts["input_ids"]
     return parts
 
 
@@ -272,7 +275,8 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     grads = train_numel * g
     rope = 2 * config.max_seq_len * (config.head_dim // 2) * 4
     tokens = batch_size * seq_len
-    # rotary tables and the int64 labels; the input ids count as activations (the embedding saves them)
+    # rotary tables and the int64 labels, which the loss lets go of before its gradient (the
+    # forward_end peak) is computed; the input ids count as activations until the embedding's backward
     steady["other"] = rope + 8 * tokens
 
     host = {}
@@ -311,14 +315,16 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     head_grad = 0 if qlora else config.vocab_size * config.dim + config.dim
     layer_grad = (full_train / max(config.n_layers, 1)) if qlora else layer_numel
     bwd_acts = acts["total"] - acts["loss"] + acts["recompute"]
+    # when the loss gradient is computed (the forward_end moment) the loss has let go of its labels
+    loss_grad_acts = acts["total"] - 8 * tokens
     emb_grad = 0 if qlora else config.vocab_size * config.dim
     acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
     if not sharded:
-        phases["forward_end"] = phase(activations=acts["total"], temporaries=loss_grad)
+        phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad)
         phases["backward"] = phase(activations=bwd_acts, grads=head_grad * g)
         # end of backward: every gradient but the embedding's, block 0 still (re)computed
-        phases["backward_end"] = phase(activations=acts["last_block"], grads=grads - emb_grad * g,
-                                       temporaries=acts["backward_transient"])
+        phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
+                                       grads=grads - emb_grad * g, temporaries=acts["backward_transient"])
         phases["optimizer_step"] = phase(grads=grads, temporaries=opt_temp)
         if strategy == "ddp" and world_size > 1:
             notes.append("DDP modelled with gradients all-reduced in place; torch's DistributedDataParallel "
@@ -341,13 +347,13 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         # of backward, and this block's full gradient and its reduce-scatter input coexist once
         gathered = unsharded_fwd if keep_unsharded else root_numel * c + 2 * (int(layer_gathered * c) + layer_quant)
         # the last all-gather's flat buffer (one block) is still held when forward ends
-        phases["forward_end"] = phase(activations=acts["total"], temporaries=loss_grad,
+        phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad,
                                       unsharded_params=unsharded_fwd,
                                       comm_buffers=0 if keep_unsharded else int(layer_gathered * c) + layer_quant)
         phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
                                    unsharded_grads=int(head_grad * g + layer_grad * g),
                                    comm_buffers=int(layer_grad * g), temporaries=dequant_temp)
-        phases["backward_end"] = phase(activations=acts["last_block"],
+        phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
                                        unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
                                        unsharded_grads=int(emb_grad * g + layer_grad * g), comm_buffers=int(layer_grad * g),
                                        temporaries=acts["backward_transient"] + dequant_temp,

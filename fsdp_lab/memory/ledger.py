@@ -18,6 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fsdp_lab.memory import tags
 from fsdp_lab.memory.tags import CATEGORIES
 
+# roles that being saved for backward turns into ``activations`` (stronger roles keep theirs)
+SAVED_BECOME_ACTIVATIONS = ("temporaries", "other")
+
+
 class _Info(weakref.ref):
     """What the tracker knows about one live storage; also the weak reference whose callback
     tells the tracker that the storage died (one object per storage keeps tracking cheap)."""
@@ -35,7 +39,7 @@ class _Info(weakref.ref):
 
     @property
     def category(self) -> str:
-        if self.saved and self.base == "temporaries":
+        if self.saved and self.base in SAVED_BECOME_ACTIVATIONS:
             return "activations"
         return self.base
 

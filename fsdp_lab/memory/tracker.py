@@ -16,7 +16,9 @@ A storage's category, strongest first:
 1. an explicit tag (``fsdp_lab.memory.tags.tag``), from the moment it is set;
 2. ``params``: the model's parameters; ``grads``: their ``.grad``; ``optimizer_state``: the
    tensors in ``optimizer.state``;
-3. ``activations``: saved for backward (seen by ``saved_tensors_hooks``) while still saved;
+3. ``activations``: saved for backward (seen by ``saved_tensors_hooks``) while still saved,
+   whether allocated in the step or before it (the batch's input ids and labels), except the
+   model's buffers;
 4. ``other``: storages that existed before tracking started (buffers, the batch);
 5. ``temporaries``: everything else allocated while tracking, or the ``tag_scope`` default.
 
@@ -39,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from fsdp_lab.memory import tags
 from fsdp_lab.memory.ownership import reachable_storage_ids
 from fsdp_lab.memory.results import MemoryResult, cuda_stats, format_rows, merge_ranks  # noqa: F401
-from fsdp_lab.memory.ledger import StorageLedger
+from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS, StorageLedger
 
 # ops after which a known storage may have changed size
 _RESIZING_OPS = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
@@ -119,6 +121,7 @@ class MemoryTracker(StorageLedger, TorchDispatchMode):
         self._reset_ledger()
         self._timeline: list[tuple[str, dict[str, int]]] = []
         self._handles: list = []
+        self._buffer_keys: set[int] = set()
         self._cuda: dict[str, int] = {}
         self._active = False
 
@@ -152,11 +155,16 @@ class MemoryTracker(StorageLedger, TorchDispatchMode):
     # ---- hooks -------------------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor):
-        info = self._see(t, None) if _is_plain(t) else None
-        if info is None or (info.base != "temporaries" and t.grad_fn is None):
-            # only a temporary's category depends on being saved; a tensor without grad_fn can
-            # be kept as it is (no cycle through autograd's graph), sparing a detach per save
-            return t
+        # a storage no op has shown yet existed before tracking (the batch's input ids, which the
+        # embedding saves before any op reads them): ``other``, as an op's unseen input would be
+        info = self._see(t, "other") if _is_plain(t) else None
+        counts = info is not None and info.base in SAVED_BECOME_ACTIVATIONS and info.key not in self._buffer_keys
+        if not counts:
+            if info is None or t.grad_fn is None:
+                # a tensor without grad_fn can be kept as it is (no cycle through autograd's
+                # graph), sparing a detach per save
+                return t
+            return _Saved(t.detach(), info, None)
         self._change(info, saved_delta=1)
         return _Saved(t.detach(), info, self)
 
@@ -213,6 +221,9 @@ class MemoryTracker(StorageLedger, TorchDispatchMode):
             self._classify(self.model.parameters(), "params")
             self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
             self._classify(self.model.buffers(), "other")
+            # a buffer autograd saves (RoPE tables) is the model's, not this step's activations
+            self._buffer_keys = {t.untyped_storage()._cdata for t in self.model.buffers() if _is_plain(t)
+                                 and t.device.type != "meta"}
         if self.optimizer is not None:
             self._classify(_state_tensors(self.optimizer), "optimizer_state")
         # tagged storages of the tracked model only: a model dropped earlier but not yet
