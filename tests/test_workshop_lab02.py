@@ -61,11 +61,13 @@ def test_model_states_reference_is_the_hand_count():
 
 # ----------------------------------------------------------------------------- activations
 
-def _formula(config, batch_size, seq_len, *, e=2, norm_fp32=4, lse=True, log_softmax=True, ids=True):
+def _formula(config, batch_size, seq_len, *, e=2, norm_fp32=4, lse=True, log_softmax=True, ids=True,
+             labels=True):
     T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
     norm = norm_fp32 * T * d + 2 * e * T * d + 4 * T
     block = 2 * norm + 4 * e * T * d + (4 * T * h if lse else 0) + e * T * d + 4 * e * T * f
-    return config.n_layers * block + norm + (4 * T * V if log_softmax else 0) + (8 * T if ids else 0)
+    return (config.n_layers * block + norm + (4 * T * V if log_softmax else 0) + (8 * T if ids else 0)
+            + (8 * T if labels else 0))
 
 
 def test_predict_activations_verdicts():
@@ -77,6 +79,9 @@ def test_predict_activations_verdicts():
     assert check(lambda c, b, s: _formula(c, b, s, log_softmax=False)).mistake == "no_log_softmax"
     assert check(lambda c, b, s: _formula(c, b, s, lse=False)).mistake == "no_logsumexp"
     assert check(lambda c, b, s: _formula(c, b, s, norm_fp32=2)).mistake == "norm_copy_in_bf16"
-    no_ids = check(lambda c, b, s: _formula(c, b, s, ids=False))
-    assert no_ids.mistake == "no_input_ids" and "input ids the embedding saves" in no_ids.message
+    for missing in (dict(ids=False), dict(labels=False)):
+        one = check(lambda c, b, s: _formula(c, b, s, **missing))
+        assert one.mistake == "no_ids_or_labels" and "input ids the embedding saves" in one.message
+    neither = check(lambda c, b, s: _formula(c, b, s, ids=False, labels=False))
+    assert neither.mistake == "no_int64_tokens" and "labels the loss keeps" in neither.message
     assert check(lambda c, b, s: _formula(c, b, s, e=4, norm_fp32=4)).mistake in ("wrong_scale", "wrong_total")

@@ -98,8 +98,8 @@ def _measured_activations(batch_size: int, seq_len: int) -> int:
 
 @checker("predict_activations", hint="per block: 2 norms x (4Td + 2eTd + 4T) + attention 4eTd + 4Th "
                                      "+ wo's input eTd + SwiGLU 4eTf; then the final norm, the "
-                                     "float32 log-softmax 4TV and the int64 input ids the "
-                                     "embedding saves 8T")
+                                     "float32 log-softmax 4TV and the int64 labels 8T the loss keeps, "
+                                     "and the int64 input ids the embedding saves 8T")
 def check_predict_activations(predict_activations):
     """Compare with MemoryTracker's activations after a real bf16 forward, two shapes."""
     from fsdp_lab.models.llama import LlamaConfig
@@ -130,9 +130,13 @@ def check_predict_activations(predict_activations):
         if near(-2 * T * d * (2 * L + 1)):
             return mistake("norm_copy_in_bf16", f"{where}: short by 2Td per RMSNorm; the norm saves its "
                                                 "input upcast to float32 (4 bytes) even in a bf16 model")
+        if near(-16 * T):
+            return mistake("no_int64_tokens", f"{where}: short by 16T, the int64 input ids the embedding "
+                                              "saves (to scatter its weight's gradient) and the int64 "
+                                              "labels the loss keeps, 8 bytes a token each")
         if near(-8 * T):
-            return mistake("no_input_ids", f"{where}: short by 8T, the int64 input ids the "
-                                           "embedding saves (to scatter its weight's gradient)")
+            return mistake("no_ids_or_labels", f"{where}: short by 8T, the int64 input ids the embedding "
+                                               "saves or the int64 labels the loss keeps: both count")
         if got == 2 * measured or abs(diff) > 0.5 * measured:
             return mistake("wrong_scale", f"{where}; e = 2 bytes in bfloat16, T = batch x seq")
         return mistake("wrong_total", where)

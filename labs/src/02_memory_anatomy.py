@@ -153,9 +153,10 @@ CELLS = [
     files.savefig(ax.figure, "estimate_vs_measured.png", dpi=100, bbox_inches="tight")
     """),
     md("""
-    Model states match to the byte; activations match because the estimator's formula counts exactly what
-    this Llama saves (see `docs/memory.md`). The difference printed last is the loss scalar and its gradient
-    (4 bytes each in float32), which the estimate leaves out.
+    Model states match to the byte; activations match because the estimator counts exactly what this Llama
+    still holds for backward at that moment (the loss has already let go of its labels; see `docs/memory.md`).
+    The difference printed last is the loss scalar and its gradient (4 bytes each in float32), which the
+    estimate leaves out.
 
     ## 4. Memory over one step
 
@@ -202,8 +203,8 @@ CELLS = [
 
     Sum per block: `2*(4Td + 2eTd + 4T) + 4eTd + 4Th + eTd + 4eTf`. Rotary embeddings save only their constant
     cos/sin tables; residual additions save nothing; the fused attention kernel saves no T x T matrix. The
-    model adds one final RMSNorm, the float32 log-softmax of the loss (4TV) and the int64 input ids the
-    embedding saves (8T).
+    model adds one final RMSNorm, what the loss keeps (its float32 log-softmax, 4TV, and the int64 labels, 8T)
+    and the int64 input ids the embedding saves (8T).
     `activation_bytes` in the estimator is this formula; we measure the activations after forward only.
     """),
     code("""
@@ -388,7 +389,8 @@ CELLS = [
     Write `predict_activations(config, batch_size, seq_len)`: the bytes this Llama saves for backward
     during one forward in **bfloat16** (e = 2 bytes; RMSNorm still keeps a float32 copy of its input and
     the loss a float32 log-softmax). Use the per-block table of section 5 and add the final RMSNorm,
-    the log-softmax (4*T*V) and the int64 input ids the embedding saves (8*T). The check measures two
+    the log-softmax (4*T*V), the int64 labels the loss keeps (8*T) and the int64 input ids the embedding
+    saves (8*T). The check measures two
     shapes and accepts your prediction to within a few bytes (the loss's scalars, which the formula
     leaves out).
     """),
@@ -399,9 +401,9 @@ CELLS = [
         ### BEGIN SOLUTION
         norm = 4 * T * d + 2 * e * T * d + 4 * T
         block = 2 * norm + 4 * e * T * d + 4 * T * h + e * T * d + 4 * e * T * f
-        return config.n_layers * block + norm + 4 * T * V + 8 * T
+        return config.n_layers * block + norm + 4 * T * V + 8 * T + 8 * T
         ### END SOLUTION
-        ### STUB raise NotImplementedError("n_layers * (per-block bytes) + final norm + 4*T*V + 8*T")
+        ### STUB raise NotImplementedError("n_layers * (per-block bytes) + final norm + 4*T*V + 8*T + 8*T")
     """),
     code("""
     lab02.check_predict_activations(predict_activations)
@@ -419,7 +421,8 @@ CELLS = [
     * Sharding (FSDP / ZeRO-3) divides model states by N; it does not touch activations — checkpointing does.
     * A simulated world and fake tensors answer "would this fit on 8 GPUs?" on a laptop.
 
-    Next: lab 03 builds ZeRO by hand, labs 04 and 05 the FSDPs that produced the `sharded_params` and `unsharded_params` above.
+    Next: lab 03 builds ZeRO by hand, lab 04 FSDP1's flat parameters, and lab 05 the FSDP2 that produced the
+    `sharded_params` and `unsharded_params` above.
     """),
 ]
 
