@@ -138,6 +138,15 @@ def _reference_for(name: str, kwargs: dict):
                      kwargs.get("clip"))
 
 
+def _round_off_floor(name: str, kwargs: dict, world: int) -> float:
+    """Largest parameter change (absolute) in the single process when each step's batch is summed
+    in ``world`` times as many microbatches: the round-off that a different summation order makes."""
+    _, whole, _ = _reference_for(name, kwargs)
+    _, pieces, _ = reference(kwargs.get("config", "cpu"), kwargs.get("frozen", False),
+                             kwargs.get("accumulate", 1) * world, kwargs.get("clip"))
+    return max((pieces[k] - v).abs().max().item() for k, v in whole.items())
+
+
 def test_losses_and_params_match_single_process(world_results):
     world, results = world_results
     for name, kwargs in _configs(world).items():
@@ -148,6 +157,13 @@ def test_losses_and_params_match_single_process(world_results):
         assert set(got["state"]) == set(ref_state), name
         for key, ref in ref_state.items():
             diff = (got["state"][key] - ref).abs().max().item()
+            if diff > TOL and world > 1:
+                # N ranks sum the batch's gradient in N pieces; the single process changes by as
+                # much when it sums the same batch in N microbatches (about 1e-6 with frozen units)
+                floor = _round_off_floor(name, kwargs, world)
+                assert diff <= 2 * floor, (f"{name}: {key} differs by {diff:.2e} after {STEPS} AdamW steps; "
+                                           f"the batch summed in {world} pieces moves one process by {floor:.2e}")
+                continue
             assert diff <= TOL, f"{name}: {key} differs by {diff:.2e} after {STEPS} AdamW steps"
         for a, b in zip(ref_norms, got["norms"]):
             assert abs(a - b) <= 1e-5 * a, f"{name}: clip_grad_norm_ {b} vs reference {a}"
