@@ -58,6 +58,14 @@ def measure(settings: dict, simulated: bool | None = None):
     return launch(measure_step, settings["model"], world_size=n, timeout=300, **kwargs)[0]
 
 
+def _node_size(settings: dict) -> int | None:
+    """GPUs per shard group of ``fsdp1_hybrid_shard`` (None for other strategies); a world smaller
+    than a node is one partly filled node."""
+    if settings["strategy"] != "fsdp1_hybrid_shard":
+        return None
+    return min(settings.get("gpus_per_node", 8), settings["world_size"])
+
+
 class MemoryExplorer:
     """Controls -> live estimated breakdown; "measure" overlays the measured rank-0 breakdown.
 
@@ -107,10 +115,8 @@ class MemoryExplorer:
         estimate refuses (e.g. a hybrid world that is not a whole number of nodes)."""
         s = settings or self.settings()
         grad = None if s["grad_dtype"] == "same" else DTYPES[s["grad_dtype"]]
-        group = None
-        if s["strategy"] == "fsdp1_hybrid_shard":
-            # a world smaller than a node is one partly filled node
-            group = min(s.get("gpus_per_node", 8), s["world_size"])
+        group = _node_size(s)
+        if group is not None:
             if s["world_size"] % group:
                 raise ValueError(f"fsdp1_hybrid_shard shards within a node: {s['world_size']} GPUs are not a whole "
                                  f"number of {group}-GPU nodes; pick a world size that is a multiple of "
@@ -129,8 +135,8 @@ class MemoryExplorer:
         fig, ax = plt.subplots(figsize=(7, 4))
         measured = self.measured.get(self._key(s))
         title = f"{s['model']}, {s['strategy']}, N={s['world_size']}, batch {s['batch_size']} x {s['seq_len']}"
-        if s["strategy"] == "fsdp1_hybrid_shard":
-            title += f", {min(s.get('gpus_per_node', 8), s['world_size'])} GPUs/node"
+        if _node_size(s) is not None:
+            title += f", {_node_size(s)} GPUs/node"
         if measured is None:
             plot_breakdown({"estimate": est}, ax=ax, unit=unit, title=title)
         else:
