@@ -65,7 +65,7 @@ def test_activation_formula_by_hand():
     parts = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32)
     assert parts["per_block"] == block
     # the loss keeps its float32 log-softmax and the int64 labels, the embedding the int64 input ids
-    assert parts["loss"] == 4 * T * 512 + 8 * T and parts["input_ids"] == 8 * T
+    assert parts["loss"] == 4 * T * 512 + 8 * T and parts["input_ids"] == parts["labels"] == 8 * T
     assert parts["total"] == 4 * block + norm + 4 * T * 512 + 8 * T + 8 * T
     ac = activation_bytes(LlamaConfig.from_name("cpu"), 2, 64, torch.float32, activation_checkpointing=True)
     assert ac["blocks"] == 4 * 4 * T * d and ac["recompute"] == block

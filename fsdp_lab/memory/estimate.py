@@ -115,7 +115,8 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
                      activation_checkpointing: bool = False, lora_rank: int = 0) -> dict[str, int]:
     """Bytes saved for backward after forward, by part: ``per_block``, ``blocks`` (all L),
     ``final_norm``, ``loss`` (what the loss keeps: its log-softmax output, 4TV, and the int64
-    labels, 8T), ``input_ids`` (the int64 ids the embedding saves, 8T), ``total``; plus
+    labels, 8T, which are also given alone as ``labels``), ``input_ids`` (the int64 ids the
+    embedding saves, 8T), ``total``; plus
     ``recompute`` (one block's activations rebuilt in backward under checkpointing, else 0)
     and ``backward_transient``. Formula in the module docstring.
 
@@ -133,7 +134,8 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
     block += 7 * e * T * lora_rank  # LoRA: each adapted linear saves its A output for B
     kept = e * T * d if activation_checkpointing else block
     parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": final_norm,
-             "loss": 4 * T * V + 8 * T, "input_ids": 8 * T, "recompute": block if activation_checkpointing else 0,
+             "labels": 8 * T, "loss": 4 * T * V + 8 * T, "input_ids": 8 * T,
+             "recompute": block if activation_checkpointing else 0,
              "backward_transient": 2 * e * T * f}
     parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"] + parts["input_ids"]
     return parts
@@ -277,7 +279,9 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     tokens = batch_size * seq_len
     # rotary tables and the int64 labels, which the loss lets go of before its gradient (the
     # forward_end peak) is computed; the input ids count as activations until the embedding's backward
-    steady["other"] = rope + 8 * tokens
+    acts = activation_bytes(config, batch_size, seq_len, compute, activation_checkpointing,
+                            lora_rank if qlora else 0)
+    steady["other"] = rope + acts["labels"]
 
     host = {}
     if cpu_offload:
@@ -288,8 +292,6 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         steady[param_cat] = steady["optimizer_state"] = 0
         notes.append("CPU offload: sharded parameters, gradients and optimizer state live in host memory")
 
-    acts = activation_bytes(config, batch_size, seq_len, compute, activation_checkpointing,
-                            lora_rank if qlora else 0)
     loss_grad = 8 * tokens * config.vocab_size
     largest_train = max((math.prod(s) for _, s in trainable), default=0)
     opt_temp = (train_numel if foreach else (math.ceil(largest_train / shards) if sharded and not flat
@@ -316,7 +318,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     layer_grad = (full_train / max(config.n_layers, 1)) if qlora else layer_numel
     bwd_acts = acts["total"] - acts["loss"] + acts["recompute"]
     # when the loss gradient is computed (the forward_end moment) the loss has let go of its labels
-    loss_grad_acts = acts["total"] - 8 * tokens
+    loss_grad_acts = acts["total"] - acts["labels"]
     emb_grad = 0 if qlora else config.vocab_size * config.dim
     acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
     if not sharded:
