@@ -7,9 +7,12 @@ How it works, in order:
    importable by name; the pickled call and the caller's ``sys.path`` and ``sys.argv`` go
    into a temporary file. The parent opens a ``TCPStore`` on port 0 (the OS picks a free port, so two launches
    never race for one) for the ranks' rendezvous, under a prefix unique to this launch.
-2. It starts ``world_size`` fresh interpreters, ``python -m fsdp_lab.launch_rank``: they never
-   import the caller's main module, so the caller may be a notebook, ``python -`` or a script
-   without ``if __name__ == "__main__":``, and CUDA initialised here does not matter there.
+2. It starts ``world_size`` ranks, each running ``fsdp_lab.launch_rank`` as a fresh
+   interpreter would: forked from a fork server that has already imported torch
+   (``fsdp_lab.forkserver``, for CPU ranks on Linux; it saves each rank seconds of imports), or as
+   ``python -m fsdp_lab.launch_rank`` (elsewhere, or with ``FSDP_LAB_LAUNCH_START=spawn``).
+   They never import the caller's main module, so the caller may be a notebook, ``python -`` or
+   a script without ``if __name__ == "__main__":``, and CUDA initialised here does not matter there.
    Each rank gets four file descriptors: the call file, a pipe for its messages (prints line
    by line, its result, its traceback), a shared progress file holding in its slot the last
    collective it entered, and the read end of a lifeline pipe that tells it when the parent
@@ -52,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_lab import dist as fdist
-from fsdp_lab import pickling
+from fsdp_lab import forkserver, pickling
 
 RANK_MODULE = "fsdp_lab.launch_rank"  # what each rank runs (python -m); launch never imports it
 _SLOT_BYTES = 512  # bytes per rank in the progress file: its last collective's description
@@ -103,7 +106,10 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         TypeError: ``fn`` is not callable, or it or its arguments cannot be pickled (the
             message names the global, closure variable or argument, and what to do).
         ValueError: bad ``world_size``, ``backend``, ``timeout`` or ``print_ranks``; NCCL
-            asked for with fewer GPUs than ranks. Raised before any process starts.
+            asked for with fewer GPUs than ranks; ``FSDP_LAB_LAUNCH_START`` in the environment
+            is neither "fork" nor "spawn". Raised before any process starts.
+        RuntimeError: the fork server could not start (its error is printed; the message says
+            how to start ranks without it).
         LaunchError: a rank raised (message names the rank and carries its traceback) or
             died without reporting (message gives its exit code).
         LaunchTimeout: ``timeout`` passed, or earlier, a deadlock was seen (every rank waiting
@@ -119,6 +125,9 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     printing = _printing_ranks(print_ranks, world_size)
+    devices = [fdist.device_for_rank(r, backend) for r in range(world_size)]
+    # CPU ranks only: a CUDA driver loaded before a fork does not work in the child
+    by_fork = forkserver.enabled() and all(device.type == "cpu" for device in devices)
     call = pickling.dumps_call(fn, args, kwargs)
 
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
@@ -137,10 +146,10 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
             for r in range(world_size):
                 ranks.append(_start_rank(
                     dict(rank=r, world_size=world_size, backend=backend,
-                         device=str(fdist.device_for_rank(r, backend)), port=store.port,
+                         device=str(devices[r]), port=store.port,
                          prefix=prefix, timeout=float(timeout), call_fd=call_file.fileno(),
                          call_bytes=call_bytes, slot_fd=progress.fileno(), slot_bytes=_SLOT_BYTES,
-                         lifeline_fd=lifeline_read), slots))
+                         lifeline_fd=lifeline_read), slots, by_fork))
             os.close(lifeline_read)
             lifeline_read = None
             return _collect(ranks, printing, deadline, timeout)
@@ -166,19 +175,23 @@ def require_posix(platform: str | None = None) -> None:
                       "Windows, run the labs inside WSL2 (Ubuntu) with the README's set-up there")
 
 
-def _start_rank(spec: dict, slots: mmap.mmap) -> "_Rank":
-    """Start ``python -m fsdp_lab.launch_rank`` for one rank, passing it its file descriptors."""
+def _start_rank(spec: dict, slots: mmap.mmap, by_fork: bool) -> "_Rank":
+    """Start one rank, passing it its file descriptors: forked from the fork server
+    (``fsdp_lab.forkserver``), or as ``python -m fsdp_lab.launch_rank`` where that is off."""
     read_fd, write_fd = os.pipe()
     spec["msg_fd"] = write_fd
     env = dict(os.environ)
     # The rank must import this same fsdp_lab before it can read the caller's sys.path.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", RANK_MODULE, json.dumps(spec)], env=env,
-            stdin=subprocess.DEVNULL,  # a rank waiting for input would hang: it reads EOF
-            pass_fds=(write_fd, spec["call_fd"], spec["slot_fd"], spec["lifeline_fd"]),
-        )
+        if by_fork:
+            process = forkserver.start_rank(spec, env)
+        else:
+            process = subprocess.Popen(
+                [sys.executable, "-m", RANK_MODULE, json.dumps(spec)], env=env,
+                stdin=subprocess.DEVNULL,  # a rank waiting for input would hang: it reads EOF
+                pass_fds=(write_fd, spec["call_fd"], spec["slot_fd"], spec["lifeline_fd"]),
+            )
     except BaseException:
         os.close(read_fd)
         raise

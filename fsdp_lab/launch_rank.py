@@ -1,4 +1,5 @@
-"""One rank of ``fsdp_lab.launch``: ``python -m fsdp_lab.launch_rank SPEC`` (started by launch).
+"""One rank of ``fsdp_lab.launch``: ``main(spec)`` in a process forked from the fork server
+(``fsdp_lab.forkserver_main``), or ``python -m fsdp_lab.launch_rank SPEC`` (started by launch).
 
 A fresh interpreter that imports only what the rank function needs: never the caller's main
 module, so the caller may be a notebook, ``python -`` or a script without a

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fsdp_lab"
 ALLOWED = {
     "fsdp_lab.dist": set(),
     "fsdp_lab.pickling": set(),
-    "fsdp_lab.launch": {"fsdp_lab.dist", "fsdp_lab.pickling"},
+    "fsdp_lab.forkserver": set(),
+    "fsdp_lab.launch": {"fsdp_lab.dist", "fsdp_lab.forkserver", "fsdp_lab.pickling"},
     "fsdp_lab.collectives": {"fsdp_lab.dist", "fsdp_lab.launch"},
     "fsdp_lab.timeline": {"fsdp_lab.collectives"},
     "fsdp_lab.launch_rank": {"fsdp_lab.collectives", "fsdp_lab.dist", "fsdp_lab.pickling"},

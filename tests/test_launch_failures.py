@@ -64,6 +64,24 @@ def test_rank_dying_without_report_gives_its_exit_code(tmp_path):
     assert len(rank_pids) == 2 and not any(alive(pid) for pid in rank_pids)
 
 
+def _killed_on_rank_1(pid_dir):
+    record_pid(pid_dir)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_rank_killed_by_a_signal_names_the_signal(tmp_path):
+    with pytest.raises(LaunchError) as info:
+        launch(_killed_on_rank_1, str(tmp_path), world_size=2, timeout=120)
+    assert info.value.exitcode == -signal.SIGKILL and info.value.rank == 1
+    assert str(info.value).startswith("rank 1 was killed by signal SIGKILL (exit code -9) without "
+                                      "reporting a result")
+    rank_pids = pids(tmp_path)
+    assert len(rank_pids) == 2 and not any(alive(pid) for pid in rank_pids)
+
+
 def _skip_second_all_reduce(pid_dir):
     record_pid(pid_dir)
     t = torch.ones(4)
@@ -130,6 +148,7 @@ def test_ranks_end_when_the_calling_process_is_killed(tmp_path):
 
         def wait_forever():
             Path({str(tmp_path)!r}, f"rank{{dist.get_rank()}}.pid").write_text(str(os.getpid()))
+            Path({str(tmp_path)!r}, "parent").write_text(str(os.getppid()))  # the fork server
             dist.barrier()
             print("ready", flush=True)
             threading.Event().wait()
@@ -142,10 +161,13 @@ def test_ranks_end_when_the_calling_process_is_killed(tmp_path):
     try:
         assert caller.stdout.readline() == "ready\n"
         pidfds = [os.pidfd_open(pid) for pid in pids(tmp_path)]
+        server = int((tmp_path / "parent").read_text())
+        assert server != caller.pid  # forked from the fork server, which must end too
+        pidfds.append(os.pidfd_open(server))
     finally:
         caller.kill()
         caller.wait(timeout=60)
-    assert len(pidfds) == 2
+    assert len(pidfds) == 3
     for fd in pidfds:  # readable once the process has ended
         ended, _, _ = select.select([fd], [], [], 60)
         os.close(fd)

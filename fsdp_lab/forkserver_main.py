@@ -1,0 +1,111 @@
+"""The fork server's process: ``python -m fsdp_lab.forkserver_main FD`` (started by launch).
+
+Importing torch takes seconds; a rank forked from a process that has already imported it
+starts in milliseconds. This process imports what a rank needs (torch,
+``fsdp_lab.launch_rank`` and ``PRELOAD``) once, runs nothing on any device, starts no thread of its own, and
+then serves the parent over the Unix socket FD (message boundaries kept, SOCK_SEQPACKET):
+
+- ``{"op": "fork", "spec": ..., "env": ...}`` with the rank's four file descriptors attached:
+  fork a child that takes ``env`` as its environment and runs ``launch_rank.main(spec)`` with
+  those descriptors, answer
+  ``{"op": "forked", "pid": ...}``;
+- ``{"op": "signal", "pid": ..., "sig": ...}``: signal that child if it has not been reaped
+  (so a pid the system has given to another process is never signalled);
+- every child that ends is reaped here and reported as ``{"op": "exit", "pid": ..., "code": ...}``
+  (the code as ``subprocess`` gives it: negative for a signal).
+
+It leaves when the parent closes the socket or dies. Which parent state it was started with
+(environment, working directory, fsdp_lab's sources) is the parent's business: see
+``fsdp_lab.forkserver``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import select
+import signal
+import socket
+import sys
+
+import torch  # noqa: F401 - imported once here so that forked ranks start without importing it
+
+from fsdp_lab import launch_rank
+
+# What nearly every rank of a lab or test imports, slowest first: DTensor and dynamo (which
+# FSDP and the memory tracker touch) take over a second each. Imported, never run.
+PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "fsdp_lab.fsdp1", "fsdp_lab.fsdp2",
+           "fsdp_lab.memory", "fsdp_lab.models", "fsdp_lab.qlora", "fsdp_lab.timeline")
+for _module in PRELOAD:
+    importlib.import_module(_module)
+
+_MESSAGE_BYTES = 1 << 20  # largest request: a rank's spec and environment (JSON, a few KiB)
+_RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")  # attached to a fork request, in order
+_REAP_PERIOD_S = 0.05  # how often ended children are looked for while no request comes
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer requests on ``sock`` until the parent closes it; reap and report children."""
+    children: set[int] = set()
+    sock.sendall(json.dumps({"op": "ready"}).encode())
+    while True:
+        readable, _, _ = select.select([sock], [], [], _REAP_PERIOD_S)
+        _reap(sock, children)
+        if not readable:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, len(_RANK_FDS))
+        except (ConnectionError, OSError):
+            return
+        if not data:
+            return
+        request = json.loads(data)
+        if request["op"] == "fork":
+            pid = _fork_rank(sock, request["spec"], request["env"], fds)
+            children.add(pid)
+            sock.sendall(json.dumps({"op": "forked", "pid": pid}).encode())
+        elif request["op"] == "signal" and request["pid"] in children:
+            os.kill(request["pid"], request["sig"])
+
+
+def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int]) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sock.close()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.environ.clear()
+            os.environ.update(env)
+            # A fresh interpreter seeds these from the OS; a fork would share the server's state.
+            random.seed()
+            if "numpy.random" in sys.modules:
+                sys.modules["numpy.random"].seed()
+            launch_rank.main(dict(spec, **dict(zip(_RANK_FDS, fds))))
+        finally:
+            os._exit(1)  # main never returns; anything raised before it must not run on here
+    for fd in fds:  # the child holds them now; the message pipe must close when it ends
+        os.close(fd)
+    return pid
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        try:
+            sock.sendall(json.dumps({"op": "exit", "pid": pid, "code": code}).encode())
+        except OSError:
+            return
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    serve(socket.socket(fileno=int(sys.argv[1])))

@@ -1,0 +1,71 @@
+"""fsdp_lab.forkserver: ranks forked from one server that has imported torch behave as fresh
+interpreters would. Checked against what a fresh interpreter sees: the caller's environment at
+the launch, its own random state, a new server (fresh imports) when the environment read at
+import time or fsdp_lab's sources change, and every rank a fresh process that is gone after."""
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_lab import forkserver
+from fsdp_lab.launch import launch
+from _launch_helpers import alive
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
+
+
+def _who(variable=None):
+    import torch.distributed as dist
+    return {"rank": dist.get_rank(), "pid": os.getpid(), "parent": os.getppid(),
+            "value": os.environ.get(variable) if variable else None, "random": random.random(),
+            "parent_cmdline": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()}
+
+
+def test_ranks_fork_from_one_server_with_the_environment_of_each_launch(monkeypatch):
+    monkeypatch.delenv(forkserver.START_ENV, raising=False)
+    first = launch(_who, world_size=2)
+    monkeypatch.setenv("LAB_SETTING_SET_AFTER_THE_FIRST_LAUNCH", "42")  # read at run time only
+    second = launch(_who, "LAB_SETTING_SET_AFTER_THE_FIRST_LAUNCH", world_size=2)
+    servers = {r["parent"] for r in first + second}
+    assert len(servers) == 1 and os.getpid() not in servers
+    assert forkserver.SERVER_MODULE in first[0]["parent_cmdline"]
+    assert [r["value"] for r in second] == ["42", "42"]
+    pids = [r["pid"] for r in first + second]
+    assert len(set(pids)) == 4 and not any(alive(pid) for pid in pids)
+    # a fresh interpreter seeds Python's random module from the OS: no two ranks share a stream
+    assert len({r["random"] for r in first + second}) == 4
+
+
+def test_a_variable_read_at_import_time_starts_a_new_server(monkeypatch):
+    monkeypatch.delenv(forkserver.START_ENV, raising=False)
+    (before,) = launch(_who, world_size=1)
+    monkeypatch.setenv("FSDP_LAB_IMPORT_TIME_PROBE", "1")
+    (after,) = launch(_who, "FSDP_LAB_IMPORT_TIME_PROBE", world_size=1)
+    assert after["parent"] != before["parent"] and after["value"] == "1"
+    assert not alive(before["parent"])  # the replaced server has left
+
+
+def test_changed_sources_change_the_server_key(tmp_path, monkeypatch):
+    module = tmp_path / "module.py"
+    module.write_text("x = 1\n")
+    monkeypatch.setattr(forkserver, "_PACKAGE", tmp_path)
+    key = forkserver._state_key({"PATH": "/bin"})
+    assert forkserver._state_key({"PATH": "/usr/bin"}) == key  # read after import: sent per rank
+    assert forkserver._state_key({"PATH": "/bin", "OMP_NUM_THREADS": "3"}) != key
+    os.utime(module, ns=(0, module.stat().st_mtime_ns + 10**9))
+    assert forkserver._state_key({"PATH": "/bin"}) != key
+
+
+def test_spawn_setting_starts_each_rank_as_a_child_of_the_caller(monkeypatch):
+    monkeypatch.setenv(forkserver.START_ENV, "spawn")
+    ranks = launch(_who, world_size=2)
+    assert {r["parent"] for r in ranks} == {os.getpid()}
+
+
+def test_unknown_start_setting_is_refused(monkeypatch):
+    monkeypatch.setenv(forkserver.START_ENV, "forkserver")
+    with pytest.raises(ValueError, match="FSDP_LAB_LAUNCH_START must be 'fork' or 'spawn'"):
+        launch(_who, world_size=1)
