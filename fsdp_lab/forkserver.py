@@ -39,9 +39,10 @@ _READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take 
 _MESSAGE_BYTES = 1 << 16
 _PACKAGE = Path(__file__).resolve().parent
 # Prefixes of the variables Python, torch, CUDA and the thread and math libraries may read while
-# they load (a change starts a new server); fsdp_lab's own are included to be safe.
-_IMPORT_TIME_ENV = ("PYTHON", "LD_", "TORCH", "PYTORCH", "CUDA", "NCCL", "GLOO", "OMP_", "KMP_",
-                    "GOMP_", "MKL", "OPENBLAS", "FSDP_LAB", "TRITON", "HF_", "TRANSFORMERS")
+# they load or pick their kernels (a change starts a new server); fsdp_lab's own to be safe.
+_IMPORT_TIME_ENV = ("PYTHON", "LD_", "TORCH", "PYTORCH", "ATEN_", "CUDA", "NCCL", "GLOO", "OMP_",
+                    "KMP_", "GOMP_", "MKL", "ONEDNN_", "DNNL_", "OPENBLAS", "FSDP_LAB", "TRITON",
+                    "HF_", "TRANSFORMERS")
 
 
 def enabled() -> bool:

@@ -43,17 +43,24 @@ for _module in PRELOAD:
 
 _MESSAGE_BYTES = 1 << 20  # largest request: a rank's spec and environment (JSON, a few KiB)
 _RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")  # attached to a fork request, in order
-_REAP_PERIOD_S = 0.05  # how often ended children are looked for while no request comes
+_REAP_PERIOD_S = 0.05  # without pidfds: how often ended children are looked for
 
 
 def serve(sock: socket.socket) -> None:
     """Answer requests on ``sock`` until the parent closes it; reap and report children."""
     children: set[int] = set()
+    exits: dict[int, int] = {}  # a pidfd per child (readable once it ends) -> its pid
     sock.sendall(json.dumps({"op": "ready"}).encode())
     while True:
-        readable, _, _ = select.select([sock], [], [], _REAP_PERIOD_S)
+        # With pidfds an ending child wakes this loop at once; without, look every period.
+        timeout = None if hasattr(os, "pidfd_open") else _REAP_PERIOD_S
+        readable, _, _ = select.select([sock, *exits], [], [], timeout)
+        for fd in readable:
+            if fd in exits:
+                del exits[fd]
+                os.close(fd)
         _reap(sock, children)
-        if not readable:
+        if sock not in readable:
             continue
         try:
             data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, len(_RANK_FDS))
@@ -63,18 +70,22 @@ def serve(sock: socket.socket) -> None:
             return
         request = json.loads(data)
         if request["op"] == "fork":
-            pid = _fork_rank(sock, request["spec"], request["env"], fds)
+            pid = _fork_rank(sock, request["spec"], request["env"], fds, list(exits))
             children.add(pid)
+            if hasattr(os, "pidfd_open"):
+                exits[os.pidfd_open(pid)] = pid
             sock.sendall(json.dumps({"op": "forked", "pid": pid}).encode())
         elif request["op"] == "signal" and request["pid"] in children:
             os.kill(request["pid"], request["sig"])
 
 
-def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int]) -> int:
+def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfds: list[int]) -> int:
     pid = os.fork()
     if pid == 0:
         try:
             sock.close()
+            for fd in pidfds:  # the other ranks' ends are the server's to watch
+                os.close(fd)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.environ.clear()
             os.environ.update(env)
