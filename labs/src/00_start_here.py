@@ -66,7 +66,9 @@ CELLS = [
     `fsdp_lab.launch(fn, *args, world_size=N)` starts N fresh processes, initialises the default process
     group in each, runs `fn(*args)` on every rank and returns the results as a list indexed by rank.
     `fn` may be defined right here in the notebook: it is sent to the ranks by value. Only rank 0's prints
-    reach this notebook.
+    reach this notebook. On Linux, CPU ranks are forked from a helper process that imported torch once, at
+    this notebook's first launch (the slowest one), so later launches do not import it again; each rank is
+    still a new process, as the cell below shows.
     """),
     code("""
     def whoami(greeting):
