@@ -86,7 +86,6 @@ def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfd
             sock.close()
             for fd in pidfds:  # the other ranks' ends are the server's to watch
                 os.close(fd)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.environ.clear()
             os.environ.update(env)
             # A fresh interpreter seeds these from the OS; a fork would share the server's state.
@@ -118,5 +117,6 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C is the parent's to handle; forked ranks inherit this, as launch_rank would set it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(socket.socket(fileno=int(sys.argv[1])))
