@@ -34,7 +34,7 @@ from pathlib import Path
 
 START_ENV = "FSDP_LAB_LAUNCH_START"  # "spawn": start every rank as a fresh interpreter
 SERVER_MODULE = "fsdp_lab.forkserver_main"
-_RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")  # same order as the server's
+RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")  # attached to a fork request, in order
 _READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take a minute
 _MESSAGE_BYTES = 1 << 16
 _PACKAGE = Path(__file__).resolve().parent
@@ -133,7 +133,7 @@ class _Server:
         return self.sock is not None and self.process.poll() is None
 
     def fork(self, spec: dict, env: dict) -> ForkedProcess:
-        fds = [spec[name] for name in _RANK_FDS]
+        fds = [spec[name] for name in RANK_FDS]
         with self._lock:
             try:
                 request = {"op": "fork", "spec": spec, "env": env}

@@ -33,6 +33,7 @@ import sys
 import torch  # noqa: F401 - imported once here so that forked ranks start without importing it
 
 from fsdp_lab import launch_rank
+from fsdp_lab.forkserver import RANK_FDS
 
 # What nearly every rank of a lab or test imports, slowest first: DTensor and dynamo (which
 # FSDP and the memory tracker touch) take over a second each. Imported, never run.
@@ -42,7 +43,6 @@ for _module in PRELOAD:
     importlib.import_module(_module)
 
 _MESSAGE_BYTES = 1 << 20  # largest request: a rank's spec and environment (JSON, a few KiB)
-_RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")  # attached to a fork request, in order
 _REAP_PERIOD_S = 0.05  # without pidfds: how often ended children are looked for
 
 
@@ -63,7 +63,7 @@ def serve(sock: socket.socket) -> None:
         if sock not in readable:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, len(_RANK_FDS))
+            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, len(RANK_FDS))
         except (ConnectionError, OSError):
             return
         if not data:
@@ -92,7 +92,7 @@ def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfd
             random.seed()
             if "numpy.random" in sys.modules:
                 sys.modules["numpy.random"].seed()
-            launch_rank.main(dict(spec, **dict(zip(_RANK_FDS, fds))))
+            launch_rank.main(dict(spec, **dict(zip(RANK_FDS, fds))))
         finally:
             os._exit(1)  # main never returns; anything raised before it must not run on here
     for fd in fds:  # the child holds them now; the message pipe must close when it ends
