@@ -242,6 +242,15 @@ def _run(works: list, finish: Callable[[], None] | None, entered: tuple | None, 
     return None
 
 
+def _pending(work) -> list:
+    """The backend's work still to wait for: none after a synchronous call (it returned done).
+
+    A synchronous call is issued as one (``async_op=False``) rather than as an asynchronous
+    one waited on at once: NCCL (torch >= 2.8) then runs it on the current stream, without the
+    side stream, the event syncs and the tensor stashing an asynchronous call needs."""
+    return [] if work is None else [work]
+
+
 def _staging(tensor: torch.Tensor, group) -> bool:
     return tensor.is_cuda and _backend(group, tensor) == "gloo"
 
@@ -263,11 +272,11 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
     if _staging(input, group):
         host_out, host_in = output.cpu(), input.cpu()
         with _BLOCKING:
-            work = _NATIVE_ALL_GATHER(host_out, host_in, group=group, async_op=True)
-        return _run([work], lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
+            work = _NATIVE_ALL_GATHER(host_out, host_in, group=group, async_op=async_op)
+        return _run(_pending(work), lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
     with _BLOCKING:
-        work = _NATIVE_ALL_GATHER(output, input, group=group, async_op=True)
-    return _run([work], None, entered, async_op, lane, meta, staged=False)
+        work = _NATIVE_ALL_GATHER(output, input, group=group, async_op=async_op)
+    return _run(_pending(work), None, entered, async_op, lane, meta, staged=False)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum", group=None,
@@ -294,18 +303,18 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
     if _backend(group, input) != "gloo":
         with _BLOCKING:
-            work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=True)
-        return _run([work], None, entered, async_op, lane, meta, impl="native")
+            work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=async_op)
+        return _run(_pending(work), None, entered, async_op, lane, meta, impl="native")
 
     staged = _staging(input, group)
     send = input.detach().reshape(-1)
     send = send.cpu() if staged else send
     if input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, n)
+        works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, n, async_op)
         return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
     received = torch.empty_like(send)
     with _BLOCKING:
-        work = dist.all_to_all_single(received, send, group=group, async_op=True)
+        work = dist.all_to_all_single(received, send, group=group, async_op=async_op)
 
     def finish() -> None:
         chunks = received.view(n, -1)
@@ -313,22 +322,22 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         output.view(-1).copy_(result)
         release(received)
 
-    return _run([work], finish, entered, async_op, lane, meta, impl="all_to_all+local_sum", staged=staged)
+    return _run(_pending(work), finish, entered, async_op, lane, meta, impl="all_to_all+local_sum", staged=staged)
 
 
-def _reduce_chunks_in_place(output, flat, reduce_op, group, n):
+def _reduce_chunks_in_place(output, flat, reduce_op, group, n, async_op):
     """gloo reduce-scatter without a receive buffer: chunk r of ``flat`` is summed onto rank r."""
     chunks = flat.view(n, -1)
     me = dist.get_rank(group)
     with _BLOCKING:
         works = [dist.reduce(chunks[r], dst=dist.get_global_rank(group, r) if group is not None else r,
-                             op=dist.ReduceOp.SUM, group=group, async_op=True) for r in range(n)]
+                             op=dist.ReduceOp.SUM, group=group, async_op=async_op) for r in range(n)]
 
     def finish() -> None:
         mine = chunks[me]
         output.view(-1).copy_(mine.div_(n) if reduce_op == dist.ReduceOp.AVG else mine)
 
-    return works, finish
+    return [w for w in works if w is not None], finish
 
 
 def _local_reduce(chunks: torch.Tensor, reduce_op, n: int) -> torch.Tensor:
@@ -359,7 +368,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     work_tensor = tensor.cpu() if staged else tensor
     with _BLOCKING:
         work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM if divide else reduce_op,
-                               group=group, async_op=True)
+                               group=group, async_op=async_op)
 
     def finish() -> None:
         if divide:
@@ -367,7 +376,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
         if staged:
             tensor.copy_(work_tensor)
 
-    return _run([work], finish if divide or staged else None, entered, async_op, lane, meta, staged=staged)
+    return _run(_pending(work), finish if divide or staged else None, entered, async_op, lane, meta, staged=staged)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = False,
@@ -378,9 +387,9 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = Fa
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
     with _BLOCKING:
-        work = dist.broadcast(work_tensor, src=src, group=group, async_op=True)
+        work = dist.broadcast(work_tensor, src=src, group=group, async_op=async_op)
     finish = (lambda: tensor.copy_(work_tensor)) if staged else None
-    return _run([work], finish, entered, async_op, lane, meta, staged=staged)
+    return _run(_pending(work), finish, entered, async_op, lane, meta, staged=staged)
 
 
 def ensure_reducible(dtype: torch.dtype, group=None) -> None:
