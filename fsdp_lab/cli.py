@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import fsdp_lab
 from fsdp_lab import collectives
-from fsdp_lab.dist import choose_backend, current_device
+from fsdp_lab.dist import choose_backend, cpu_forced, current_device
 from fsdp_lab.launch import launch
 
 # Subcommands defined outside this module, as "module:add_parser_function".
@@ -77,6 +77,8 @@ def _all_reduce_ones() -> float:
 
 def _describe_auto(world_size: int) -> str:
     backend, n_gpus = choose_backend(world_size), torch.cuda.device_count()
+    if cpu_forced():
+        return "gloo on CPU (FSDP_LAB_DEVICE=cpu)"
     if backend == "nccl":
         return "nccl, one GPU per rank"
     if n_gpus:

@@ -31,8 +31,23 @@ from fsdp_lab.checks import check_positive_int
 
 BACKENDS = ("auto", "gloo", "nccl")
 
-# launch.py sets this in each child so current_device() needs no process-group query.
+# The device current_device() answers. launch sets it in each rank (so no process-group query
+# is needed there); set to "cpu" by a user, it keeps ranks and current_device() on the CPU on a
+# machine with GPUs (a CPU workshop's outputs, the CPU test suite).
 DEVICE_ENV = "FSDP_LAB_DEVICE"
+# launch sets this in each rank: the rank ends itself when fn returns.
+IN_LAUNCH_ENV = "FSDP_LAB_IN_LAUNCH"
+
+
+def cpu_forced() -> bool:
+    """True when ``FSDP_LAB_DEVICE=cpu`` asks for CPU ranks and a CPU ``current_device()``
+    even where GPUs are visible."""
+    return os.environ.get(DEVICE_ENV) == "cpu"
+
+
+def _visible_gpus() -> int:
+    """GPUs ranks may use: none while ``FSDP_LAB_DEVICE=cpu``."""
+    return 0 if cpu_forced() else torch.cuda.device_count()
 
 SIMULATED_NOTE = (
     "communication is simulated: collectives return without exchanging data; memory is real"
@@ -44,15 +59,19 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
 
     "auto" picks NCCL when NCCL is available and there is one GPU per rank, else gloo (ranks
     share GPUs when there are some, or run on CPU). Looks at GPUs without initialising CUDA.
+    With ``FSDP_LAB_DEVICE=cpu`` in the environment no GPU counts: "auto" is gloo on CPU.
 
     Raises:
         ValueError: ``world_size`` < 1, an unknown backend, or ``backend="nccl"`` with fewer
-            GPUs than ranks or without NCCL in this torch build.
+            GPUs than ranks, without NCCL in this torch build, or under ``FSDP_LAB_DEVICE=cpu``.
     """
     check_positive_int("world_size", world_size)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    n_gpus = torch.cuda.device_count()
+    if backend == "nccl" and cpu_forced():
+        raise ValueError(f"backend='nccl' runs on GPUs, but {DEVICE_ENV}=cpu is set in the environment "
+                         f"(CPU ranks only); unset it, or use backend='gloo' (or 'auto')")
+    n_gpus = _visible_gpus()
     nccl_ok = dist.is_nccl_available() and n_gpus > 0
     if backend == "auto":
         return "nccl" if nccl_ok and n_gpus >= world_size else "gloo"
@@ -93,8 +112,9 @@ def backend_for(device_type: str, group=None) -> str:
 
 def device_for_rank(local_rank: int, backend: str) -> torch.device:
     """The device rank ``local_rank`` computes on: cuda:local_rank under NCCL,
-    cuda:(local_rank % n_gpus) under gloo when GPUs exist (shared GPUs), cpu otherwise."""
-    n_gpus = torch.cuda.device_count()
+    cuda:(local_rank % n_gpus) under gloo when GPUs exist (shared GPUs), cpu otherwise (and
+    under ``FSDP_LAB_DEVICE=cpu``)."""
+    n_gpus = _visible_gpus()
     if backend == "nccl":
         return torch.device("cuda", local_rank)
     if n_gpus > 0:
@@ -203,7 +223,7 @@ def exit_distributed(code: int = 0) -> NoReturn:
         RuntimeError: called inside ``fsdp_lab.launch``, whose ranks end by themselves when
             ``fn`` returns (return instead).
     """
-    if os.environ.get(DEVICE_ENV):
+    if os.environ.get(IN_LAUNCH_ENV):
         raise RuntimeError("exit_distributed() ends a torchrun script; inside fsdp_lab.launch, "
                            "return from fn instead (launch ends its ranks itself)")
     if dist.is_initialized() and not is_simulated():

@@ -90,6 +90,7 @@ def main(spec: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ[fdist.DEVICE_ENV] = device
+    os.environ[fdist.IN_LAUNCH_ENV] = "1"
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         with mmap.mmap(spec["call_fd"], spec["call_bytes"], access=mmap.ACCESS_READ) as call_file:

@@ -12,6 +12,20 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# Where GPUs exist, tests not marked `gpu` still run their ranks and tensors on CPU, as CI runs
+# them: their references are single-process CPU runs, often compared to the last bit. Set for
+# the whole session, before any module-scoped fixture launches ranks; `gpu` tests unset it.
+CPU_FORCED_FOR_TESTS = torch.cuda.is_available() and "FSDP_LAB_DEVICE" not in os.environ
+if CPU_FORCED_FOR_TESTS:
+    os.environ["FSDP_LAB_DEVICE"] = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_see_the_gpus(request, monkeypatch):
+    if CPU_FORCED_FOR_TESTS and "gpu" in request.keywords:
+        monkeypatch.delenv("FSDP_LAB_DEVICE")
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")

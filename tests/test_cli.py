@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fsdp_lab import cli, collectives
+from fsdp_lab import dist as fdist
 
 
 def test_env_reports_versions_devices_backends_and_a_working_launch(capsys):
@@ -19,7 +20,9 @@ def test_env_reports_versions_devices_backends_and_a_working_launch(capsys):
     n_gpus = torch.cuda.device_count()
     assert lines["CUDA"] == (f"available, {n_gpus} device(s)" if n_gpus else "not available")
     assert lines["gloo"] == "yes"
-    if n_gpus >= 2:
+    if fdist.cpu_forced():  # conftest sets it where GPUs exist
+        assert lines["auto backend, 2 ranks"] == "gloo on CPU (FSDP_LAB_DEVICE=cpu)"
+    elif n_gpus >= 2:
         assert lines["auto backend, 2 ranks"] == "nccl, one GPU per rank"
     elif n_gpus == 0:
         assert lines["auto backend, 2 ranks"] == "gloo on CPU"

@@ -25,6 +25,7 @@ def gpus(monkeypatch):
     """Pretend this machine has n GPUs (and NCCL) without touching CUDA."""
 
     def pretend(n, nccl=True):
+        monkeypatch.delenv(fdist.DEVICE_ENV, raising=False)  # conftest sets it where GPUs exist
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
         monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
 
@@ -83,6 +84,28 @@ def test_choose_backend_rejects_bad_input(world_size, backend, match):
 def test_device_for_rank(gpus, n_gpus, rank, backend, expected):
     gpus(n_gpus)
     assert device_for_rank(rank, backend) == torch.device(expected)
+
+
+def test_cpu_forced_keeps_ranks_on_cpu_beside_gpus(gpus, monkeypatch):
+    gpus(4)
+    monkeypatch.setenv(fdist.DEVICE_ENV, "cpu")
+    assert choose_backend(2) == "gloo" and choose_backend(4, "gloo") == "gloo"
+    assert device_for_rank(1, "gloo") == torch.device("cpu")
+    assert current_device() == torch.device("cpu")
+    with pytest.raises(ValueError, match="FSDP_LAB_DEVICE=cpu is set.*unset it, or use backend='gloo'"):
+        choose_backend(2, "nccl")
+
+
+def _device_and_backend():
+    return str(current_device()), dist.get_backend()
+
+
+def test_launch_under_cpu_forced_starts_cpu_ranks_where_gpus_are_visible(gpus, monkeypatch):
+    """The parent sees (pretended) GPUs; FSDP_LAB_DEVICE=cpu still gives CPU ranks over gloo
+    (without it these ranks would be sent to cuda devices this machine may not have)."""
+    gpus(2)
+    monkeypatch.setenv(fdist.DEVICE_ENV, "cpu")
+    assert fsdp_lab.launch(_device_and_backend, world_size=2, timeout=120) == [("cpu", "gloo")] * 2
 
 
 def test_no_process_group_means_rank_0_of_1():
@@ -237,6 +260,7 @@ def test_exit_distributed_flushes_runs_atexit_and_exits_with_the_code():
     """)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop(fdist.DEVICE_ENV, None)
+    env.pop(fdist.IN_LAUNCH_ENV, None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=env, cwd=REPO)
     assert proc.returncode == 3, proc.stderr
@@ -244,6 +268,6 @@ def test_exit_distributed_flushes_runs_atexit_and_exits_with_the_code():
 
 
 def test_exit_distributed_inside_launch_says_to_return_instead(monkeypatch):
-    monkeypatch.setenv(fdist.DEVICE_ENV, "cpu")  # what launch sets in each rank
+    monkeypatch.setenv(fdist.IN_LAUNCH_ENV, "1")  # what launch sets in each rank
     with pytest.raises(RuntimeError, match="return from fn instead"):
         fdist.exit_distributed()
