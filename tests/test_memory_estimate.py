@@ -148,6 +148,20 @@ def test_bad_arguments_are_named():
         estimate("cpu", world_size=2, strategy="ddp", batch_size=1, seq_len=8, cpu_offload=True)
     with pytest.raises(ValueError, match="measure"):
         measure_step("cpu", strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="unknown device 'gpu'; use 'cpu' or 'cuda'"):
+        estimate("cpu", world_size=1, strategy="ddp", batch_size=1, seq_len=8, device="gpu")
+
+
+def test_adamw_step_counters_are_off_the_gpu():
+    """PyTorch's AdamW (not capturable, not fused) keeps one float32 step counter per parameter
+    tensor, on the host when the parameters are on a GPU: 4 bytes a tensor leave the estimate."""
+    from fsdp_lab.models.llama import Llama
+    n_tensors = len(list(Llama("cpu").parameters()))
+    args = dict(world_size=1, strategy="ddp", batch_size=1, seq_len=8)
+    on_cpu, on_gpu = estimate("cpu", **args), estimate("cpu", **args, device="cuda")
+    assert on_cpu["optimizer_state"] - on_gpu["optimizer_state"] == 4 * n_tensors
+    sgd = dict(args, optimizer="sgd_momentum")
+    assert estimate("cpu", **sgd)["optimizer_state"] == estimate("cpu", **sgd, device="cuda")["optimizer_state"]
 
 
 def test_options_change_what_they_should():

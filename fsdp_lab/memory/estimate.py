@@ -185,7 +185,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
              grad_dtype=None, compute_dtype=None, optimizer: str = "adamw", batch_size: int,
              seq_len: int, activation_checkpointing: bool = False, cpu_offload: bool = False,
              qlora: bool = False, reshard_after_forward: bool = True, foreach: bool = False,
-             lora_rank: int = 8, shard_group_size: int | None = None) -> Breakdown:
+             lora_rank: int = 8, shard_group_size: int | None = None, device: str = "cpu") -> Breakdown:
     """Estimated per-rank memory (bytes per category) at the peak of one training step.
 
     Steady state: the step after the first (optimizer state exists; gradients were freed by
@@ -198,9 +198,12 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     node of 8 GPUs, as PyTorch's HYBRID_SHARD shards within a node).
     With ``qlora`` the block linears are frozen NF4 weights with trainable LoRA adapters of
     rank ``lora_rank``; everything else is frozen in ``param_dtype``.
+    ``device`` ("cpu" or "cuda") is where the step runs: on CUDA, AdamW keeps its step counters
+    (4 bytes per trainable tensor) in host memory (PyTorch's default, neither capturable nor
+    fused), so they are not the device's.
 
-    Raises ValueError for an unknown strategy/optimizer, bad sizes or non-float dtypes, and for
-    a ``fsdp1_hybrid_shard`` world that ``shard_group_size`` (or 8) does not divide.
+    Raises ValueError for an unknown strategy/optimizer/device, bad sizes or non-float dtypes,
+    and for a ``fsdp1_hybrid_shard`` world that ``shard_group_size`` (or 8) does not divide.
     """
     if isinstance(config, str):
         config = LlamaConfig.from_name(config)
@@ -208,6 +211,8 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
     for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
         check_positive_int(name, value)
     p = _bytes_of(param_dtype)
@@ -272,7 +277,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     steady[param_cat] = (train_numel + frozen_numel) * p
     steady["quantized"] = quant_local
     steady["optimizer_state"] = train_numel * (n_states * p + master_bytes)
-    if optimizer != "sgd" and optimizer != "sgd_momentum":
+    if optimizer != "sgd" and optimizer != "sgd_momentum" and device == "cpu":
         steady["optimizer_state"] += 4 * n_trainable_tensors  # AdamW's float32 "step" per tensor
     grads = train_numel * g
     rope = 2 * config.max_seq_len * (config.head_dim // 2) * 4
