@@ -99,6 +99,8 @@ def main() -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/memory_tracker_<device>.json)")
     args = parser.parse_args()
 
     device = current_device()
@@ -186,7 +188,8 @@ def main() -> dict:
           f"so steps whose ops average {result['us_per_op_for_target']:.0f} us or more stay within 1.10")
     measured = last["result"]
     est = estimate(model.config, world_size=1, strategy="ddp", param_dtype=torch.float32,
-                   batch_size=args.batch_size, seq_len=args.seq_len, foreach=device.type == "cuda")
+                   batch_size=args.batch_size, seq_len=args.seq_len, foreach=device.type == "cuda",
+                   device=device.type)
     print(f"\n{'peak (bytes)':<18}{'estimate':>14}{'tracked':>14}")
     for cat, value in est.bytes.items():
         if value or measured.peak[cat]:
@@ -200,7 +203,8 @@ def main() -> dict:
                   tracked_total=measured.peak_total, cuda=measured.cuda)
     RESULTS.mkdir(exist_ok=True)
     name = "cpu" if device.type == "cpu" else result["device"].replace(" ", "_").lower()
-    (RESULTS / f"memory_tracker_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    out = pathlib.Path(args.out) if args.out else RESULTS / f"memory_tracker_{name}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -16,8 +16,8 @@ run of two training steps of our FSDP2 and of our FSDP1 under ``FakeTensorMode``
 dtypes and storage sizes but no data, so the tracker sees every allocation of the real step;
 on the small CPU Llama the two agree to the byte with a real run). Both are estimates, labelled
 as such in the JSON. The GPU path (real 7B random init on CUDA in a simulated world of 2,
-``torch.cuda.max_memory_allocated`` over the second step, for our FSDP2 and FSDP1) is written
-but has not run on this machine.
+``torch.cuda.max_memory_allocated`` over the second step, for our FSDP2 and FSDP1) ran on one
+H100 (``benchmarks/gpu_all.sh``).
 """
 
 from __future__ import annotations

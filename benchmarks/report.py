@@ -82,8 +82,11 @@ def section(result: pathlib.Path) -> str:
     flat = flatten(data)
     script = script_for(result)
     lines = [f"## {result.stem}", "", _summary(script), ""]
-    if script is not None:
+    if script is not None and result.stem.endswith("_cpu"):
         lines += [f"Run: `python benchmarks/{script.name}`; recorded in `benchmarks/results/{result.name}`.", ""]
+    elif script is not None:  # GPU files come from gpu_all.sh, which names each run's arguments
+        lines += [f"Run on a GPU by `bash benchmarks/gpu_all.sh` (`{script.name}`, arguments there); "
+                  f"recorded in `benchmarks/results/{result.name}`.", ""]
     context = [f"{k} {format_value(flat[k])}" for k in CONTEXT_KEYS if k in flat]
     if context:
         lines += ["Recorded on: " + "; ".join(context) + ".", ""]

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Everything fsdp_lab checks on a CUDA GPU, in one go, from the repository root:
+#
+#     bash benchmarks/gpu_all.sh [LOG_DIR]         # default LOG_DIR: /tmp/fsdp_lab_gpu
+#
+# 1. the GPU-marked tests (NCCL, CUDA allocator stats and snapshots, CUDA-event timelines);
+# 2. the timing-sensitive benchmarks alone: the MemoryTracker's cost, NF4 against torchao;
+# 3. the test suite (without the browser and notebook-kernel tests) in the background, at a
+#    lower priority, beside the other benchmarks on a world of 1 (one GPU: NCCL) and the
+#    QLoRA 7B peak measured on the GPU.
+# Each step has its own time limit, so one that hangs or fails leaves the others their time;
+# ONLY="name name ..." runs only the steps named (test_suite is a name too).
+# Results land in benchmarks/results/*_<gpu>.json (run `python benchmarks/report.py` after);
+# each step's output in LOG_DIR/<step>.log, and a line per step in LOG_DIR/summary.log.
+set -u
+cd "$(dirname "$0")/.."
+LOG_DIR=${1:-/tmp/fsdp_lab_gpu}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log output and exit code
+    local name=$1 limit=$2 start rc
+    shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+    start=$(date +%s)
+    timeout -s INT -k 15 "$limit" "$@" > "$LOG_DIR/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$LOG_DIR/summary.log"
+}
+
+step environment 60 "$PY" -c "
+import torch, torch.distributed as dist
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())
+print(torch.cuda.get_device_name(0), 'nccl', dist.is_nccl_available() and torch.cuda.nccl.version())
+import fsdp_lab; print('fsdp_lab from', fsdp_lab.__file__)"
+
+# pyproject's addopts name nbval's options; this run collects tests only, so it drops them.
+# PYTEST_EXTRA: more pytest arguments (e.g. --ignore-glob='tests/test_workshop*' where the lab
+# extras, nbformat and nbclient, are not installed).
+TESTS=("$PY" -m pytest -o addopts= -p no:cacheprovider --ignore=tests/browser
+       --ignore=tests/test_lab_kernels.py ${PYTEST_EXTRA:-})
+# the GPU-marked tests, and those that skip themselves without an accelerator (pinned memory)
+step gpu_tests 180 "${TESTS[@]}" tests -m gpu -rA --tb=short
+step accelerator_tests 120 "${TESTS[@]}" tests/test_nf4.py -k pinned -rA --tb=short
+
+step memory_tracker 120 "$PY" benchmarks/memory_tracker.py
+# the same step with 32x the tokens: ops as many, each bigger (the tracker's cost is per op)
+step memory_tracker_large 120 "$PY" benchmarks/memory_tracker.py --batch-size 256 --seq-len 128 \
+    --out benchmarks/results/memory_tracker_gpu_batch256.json
+step nf4 90 "$PY" benchmarks/nf4.py --device cuda
+
+suite=
+if [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" test_suite "* ]]; then
+    "${TESTS[@]}" tests -m "not gpu" -q -rfE --tb=short -n "${TEST_WORKERS:-6}" \
+        > "$LOG_DIR/test_suite.log" 2>&1 &
+    suite=$!
+fi
+
+step qlora_7b 240 "$PY" benchmarks/qlora_7b.py --device cuda
+step fsdp2_vs_torch 120 "$PY" benchmarks/fsdp2_vs_torch.py --world-size 1
+step fsdp1_vs_fsdp2 120 "$PY" benchmarks/fsdp1_vs_fsdp2.py --world-size 1
+step launch_and_collectives 150 "$PY" benchmarks/launch_and_collectives.py --world-size 1 --rounds 3 --pairs 60 --repeats 3
+step automicrobatch 120 "$PY" benchmarks/automicrobatch.py --world-size 1
+step fsdp1_flat_grad 90 "$PY" benchmarks/fsdp1_flat_grad.py --world-size 1
+step nf4_compile 180 "$PY" benchmarks/nf4_compile.py --device cuda
+
+# The suite gets what is left of SUITE_SECONDS (default 900) after the benchmarks.
+if [ -n "$suite" ]; then
+    deadline=${SUITE_SECONDS:-900}
+    while kill -0 "$suite" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 2; done
+    kill -INT "$suite" 2>/dev/null && sleep 10
+    wait "$suite"
+    echo "test_suite rc=$? ${SECONDS}s since start" | tee -a "$LOG_DIR/summary.log"
+fi
