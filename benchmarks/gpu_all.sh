@@ -42,7 +42,7 @@ TESTS=("$PY" -m pytest -o addopts= -p no:cacheprovider --ignore=tests/browser
        --ignore=tests/test_lab_kernels.py ${PYTEST_EXTRA:-})
 # the GPU-marked tests, and those that skip themselves without an accelerator (pinned memory)
 step gpu_tests 180 "${TESTS[@]}" tests -m gpu -rA --tb=short
-step accelerator_tests 120 "${TESTS[@]}" tests/test_nf4.py -k pinned -rA --tb=short
+step accelerator_tests 120 "${TESTS[@]}" tests/test_nf4.py -k pin_memory -rA --tb=short
 
 step memory_tracker 120 "$PY" benchmarks/memory_tracker.py
 # the same step with 32x the tokens: ops as many, each bigger (the tracker's cost is per op)
@@ -52,7 +52,9 @@ step nf4 90 "$PY" benchmarks/nf4.py --device cuda
 
 suite=
 if [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" test_suite "* ]]; then
-    "${TESTS[@]}" tests -m "not gpu" -q -rfE --tb=short -n "${TEST_WORKERS:-6}" \
+    workers=()  # pytest-xdist, where installed, spreads the suite over TEST_WORKERS processes
+    "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-6}")
+    "${TESTS[@]}" tests -m "not gpu" -q -rfE --tb=short "${workers[@]}" \
         > "$LOG_DIR/test_suite.log" 2>&1 &
     suite=$!
 fi
