@@ -23,10 +23,12 @@ reduce-scatter the full, gathered/unreduced size; for all-reduce and broadcast t
 Each function is synchronous by default; with ``async_op=True`` it returns a
 ``CollectiveHandle`` whose ``wait()`` finishes the work (copy-back, local sum, division).
 
-The instrumentation stays off the critical path: before a collective is issued only a
-counter, a tuple and (when a recorder is registered) its start mark are taken; a synchronous
-collective is recorded with one call once it completes (benchmarks/launch_and_collectives.py
-measures the cost against bare ``torch.distributed``).
+The instrumentation is kept small: before a collective is issued only a counter, a tuple and
+(when a recorder is registered) its start mark are taken; a synchronous collective is recorded
+with one call once it completes. benchmarks/launch_and_collectives.py measures the cost against
+bare ``torch.distributed``: about 1% of a 4 MiB gloo all-gather on CPU; on one H100 (NCCL, a world
+of 1, 0.045 ms a bare call) about 0.06 ms a call, more than the call itself, with a Timeline's
+CUDA events recording it.
 
 Imports point down: this module uses ``fsdp_lab.dist`` and, for :func:`benchmark`,
 ``fsdp_lab.launch``; recorders such as the timeline import this module, never the reverse.
