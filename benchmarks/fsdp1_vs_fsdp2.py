@@ -46,7 +46,7 @@ def _wrap(kind: str, model):
 def _run(kinds: list[str], steps: int, warmup: int, batch: int, seq: int) -> dict:
     import torch.distributed as dist
 
-    from fsdp_lab.collectives import timed_on_all_ranks
+    from fsdp_lab.bandwidth import timed_on_all_ranks
     from fsdp_lab.dist import current_device
     from fsdp_lab.memory.tracker import MemoryTracker
     from fsdp_lab.models.data import global_batch, shard_batch

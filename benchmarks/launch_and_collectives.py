@@ -44,7 +44,7 @@ import torch.multiprocessing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_lab import collectives  # noqa: E402
+from fsdp_lab import bandwidth, collectives  # noqa: E402
 from fsdp_lab.dist import current_device  # noqa: E402
 from fsdp_lab.launch import launch  # noqa: E402
 from fsdp_lab.timeline import Timeline  # noqa: E402
@@ -94,7 +94,7 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
         collectives.all_gather_into_tensor(full, shard)
 
     def timed(call) -> float:
-        return collectives.timed_on_all_ranks(call, device)[0]
+        return bandwidth.timed_on_all_ranks(call, device)[0]
 
     for _ in range(5):  # warm up both paths
         timed(bare)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_lab
-from fsdp_lab import collectives
+from fsdp_lab import bandwidth, collectives
 from fsdp_lab.dist import choose_backend, cpu_forced, current_device
 from fsdp_lab.launch import launch
 
@@ -167,7 +167,7 @@ def _human(nbytes: float) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    rows = collectives.benchmark(args.op, args.sizes, world_size=args.world_size)
+    rows = bandwidth.benchmark(args.op, args.sizes, world_size=args.world_size)
     print(f"{'op':<16}{'size':>12}{'time (us)':>12}{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}"
           f"   ({args.world_size} ranks)")
     for row in rows:
@@ -177,7 +177,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """``fsdp-lab bench``: a bandwidth table from ``fsdp_lab.collectives.benchmark``."""
+    """``fsdp-lab bench``: a bandwidth table from ``fsdp_lab.bandwidth.benchmark``."""
     parser = subparsers.add_parser(
         "bench", help="collective bandwidth table (algbw, busbw as nccl-tests define them)")
     parser.add_argument("--op", choices=_OPS, default="all",

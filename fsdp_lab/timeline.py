@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lab import collectives
+from fsdp_lab import bandwidth, collectives
 
 _active: list["Timeline"] = []
 
@@ -311,7 +311,7 @@ class Timeline:
         rows = []
         for e in self.comm_events(rank):
             n = int(e.args.get("group_size", 1))
-            algbw, busbw = (collectives.bus_bandwidth(e.name, e.bytes, e.duration, n)
+            algbw, busbw = (bandwidth.bus_bandwidth(e.name, e.bytes, e.duration, n)
                             if e.duration > 0 and n > 1 and e.name in ("all_gather", "reduce_scatter",
                                                                         "all_reduce", "broadcast")
                             else (0.0, 0.0))

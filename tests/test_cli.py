@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from fsdp_lab import cli, collectives
+from fsdp_lab import bandwidth, cli, collectives
 from fsdp_lab import dist as fdist
 
 
@@ -59,7 +59,7 @@ def test_bench_passes_arguments_through_and_prints_a_table(capsys, monkeypatch):
         return [{"op": "all_gather", "bytes": 2**20, "world_size": world_size, "time_s": 0.002,
                  "algbw_GBps": 0.524288, "busbw_GBps": 0.393216}]
 
-    monkeypatch.setattr(collectives, "benchmark", fake_benchmark)
+    monkeypatch.setattr(bandwidth, "benchmark", fake_benchmark)
     assert cli.main(["bench", "--op", "all_gather", "--sizes", "1M", "--world-size", "4"]) == 0
     assert calls == [("all_gather", [2**20], 4)]
     table = capsys.readouterr().out.splitlines()

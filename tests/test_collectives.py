@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fsdp_lab
-from fsdp_lab import collectives
+from fsdp_lab import bandwidth, collectives
 from fsdp_lab.timeline import Timeline
 
 K = 6  # elements per rank chunk
@@ -177,22 +177,22 @@ def test_the_innermost_recorder_gets_each_event(results):
 
 def test_bus_bandwidth_matches_nccl_tests_formulas():
     # S = 8e9 bytes in 2 s on 4 ranks: algbw 4e9 B/s; busbw 3e9 (x3/4) or 6e9 (x2*3/4).
-    assert collectives.bus_bandwidth("all_gather", 8e9, 2.0, 4) == (4e9, 3e9)
-    assert collectives.bus_bandwidth("reduce_scatter", 8e9, 2.0, 4) == (4e9, 3e9)
-    assert collectives.bus_bandwidth("all_reduce", 8e9, 2.0, 4) == (4e9, 6e9)
-    assert collectives.bus_bandwidth("broadcast", 8e9, 2.0, 4) == (4e9, 4e9)
+    assert bandwidth.bus_bandwidth("all_gather", 8e9, 2.0, 4) == (4e9, 3e9)
+    assert bandwidth.bus_bandwidth("reduce_scatter", 8e9, 2.0, 4) == (4e9, 3e9)
+    assert bandwidth.bus_bandwidth("all_reduce", 8e9, 2.0, 4) == (4e9, 6e9)
+    assert bandwidth.bus_bandwidth("broadcast", 8e9, 2.0, 4) == (4e9, 4e9)
     with pytest.raises(ValueError, match="unknown collective"):
-        collectives.bus_bandwidth("gather", 1, 1.0, 2)
+        bandwidth.bus_bandwidth("gather", 1, 1.0, 2)
     with pytest.raises(ValueError, match="positive"):
-        collectives.bus_bandwidth("all_gather", 1, 0.0, 2)
+        bandwidth.bus_bandwidth("all_gather", 1, 0.0, 2)
 
 
 def test_benchmark_rows():
-    rows = collectives.benchmark(["all_gather", "all_reduce"], [1 << 16], world_size=2, iters=3, warmup=1)
+    rows = bandwidth.benchmark(["all_gather", "all_reduce"], [1 << 16], world_size=2, iters=3, warmup=1)
     assert [r["op"] for r in rows] == ["all_gather", "all_reduce"]
     for r in rows:
         assert r["bytes"] == 1 << 16 and r["time_s"] > 0
         factor = 0.5 if r["op"] == "all_gather" else 1.0
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
     with pytest.raises(ValueError, match="unknown collective"):
-        collectives.benchmark("gather", [1024])
+        bandwidth.benchmark("gather", [1024])

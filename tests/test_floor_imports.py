@@ -15,8 +15,9 @@ ALLOWED = {
     "fsdp_lab.pickling": set(),
     "fsdp_lab.forkserver": set(),
     "fsdp_lab.launch": {"fsdp_lab.dist", "fsdp_lab.forkserver", "fsdp_lab.pickling"},
-    "fsdp_lab.collectives": {"fsdp_lab.dist", "fsdp_lab.launch"},
-    "fsdp_lab.timeline": {"fsdp_lab.collectives"},
+    "fsdp_lab.collectives": {"fsdp_lab.dist"},
+    "fsdp_lab.bandwidth": {"fsdp_lab.collectives", "fsdp_lab.dist", "fsdp_lab.launch"},
+    "fsdp_lab.timeline": {"fsdp_lab.bandwidth", "fsdp_lab.collectives"},
     "fsdp_lab.launch_rank": {"fsdp_lab.collectives", "fsdp_lab.dist", "fsdp_lab.pickling"},
     "fsdp_lab.viz.widgets": set(),
 }

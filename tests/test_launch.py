@@ -343,7 +343,7 @@ def test_non_callable_is_a_type_error():
 
 
 def test_package_exports_the_function_even_after_its_module_is_imported():
-    import fsdp_lab.launch  # noqa: F401 - as every rank and collectives.benchmark do
+    import fsdp_lab.launch  # noqa: F401 - as every rank and bandwidth.benchmark do
 
     assert fsdp_lab.launch is launch and fsdp_lab.LaunchError is LaunchError
     assert issubclass(LaunchTimeout, LaunchError)

@@ -27,7 +27,7 @@ CELLS = [
     import matplotlib.pyplot as plt
     import ipywidgets as widgets
     import fsdp_lab
-    from fsdp_lab import collectives
+    from fsdp_lab import bandwidth, collectives
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_collective, plot_timeline
     from fsdp_lab.viz.widgets import Explorer
@@ -129,7 +129,7 @@ CELLS = [
     """),
     code("""
     for op in ["all_gather", "reduce_scatter", "all_reduce"]:
-        algbw, busbw = collectives.bus_bandwidth(op, 1e9, 0.1, 8)
+        algbw, busbw = bandwidth.bus_bandwidth(op, 1e9, 0.1, 8)
         print(f"{op:15s} algbw {algbw / 1e9:5.2f} GB/s   busbw {busbw / 1e9:5.2f} GB/s")
     """),
     md("""
@@ -156,7 +156,7 @@ CELLS = [
     the orders of magnitude do not change):
     """),
     code("""
-    rows = collectives.benchmark("all", [1 << 16, 1 << 20, 1 << 23], world_size=2, iters=5)
+    rows = bandwidth.benchmark("all", [1 << 16, 1 << 20, 1 << 23], world_size=2, iters=5)
     print(f"{'op':15s} {'bytes':>10s} {'time (ms)':>10s} {'algbw GB/s':>11s} {'busbw GB/s':>11s}")
     for r in rows:
         print(f"{r['op']:15s} {r['bytes']:10d} {r['time_s'] * 1e3:10.3f} {r['algbw_GBps']:11.3f} {r['busbw_GBps']:11.3f}")
@@ -256,7 +256,7 @@ CELLS = [
         tl = Timeline.merge(fsdp_lab.launch(timed_collective, op, size_kib, world_size=world_size))
         events = tl.comm_events(rank=0)
         seconds = sorted(e.duration for e in events)[len(events) // 2]
-        algbw, busbw = collectives.bus_bandwidth(op, events[0].bytes, seconds, world_size)
+        algbw, busbw = bandwidth.bus_bandwidth(op, events[0].bytes, seconds, world_size)
         ax = plot_timeline(tl, title=f"{op}, {events[0].bytes / 1024:.0f} KiB, {world_size} ranks")
         return ax.figure, f"median {seconds * 1e3:.3f} ms | algbw {algbw / 1e9:.3f} GB/s | busbw {busbw / 1e9:.3f} GB/s"
 
