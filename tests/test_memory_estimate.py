@@ -101,9 +101,14 @@ def test_single_process_matches_tracker(dtype):
     assert abs(measured.peak_total - est.total) <= 0.10 * est.total
 
 
+FSDP_CASES = [("fsdp2", True, torch.float32), ("fsdp2", False, torch.float32), ("fsdp1_full_shard", True, torch.float32),
+              ("fsdp2", True, torch.bfloat16), ("fsdp1_full_shard", True, torch.bfloat16)]
+
+
 def _measure_strategies():
-    return {(s, raf): measure_step("cpu", strategy=s, batch_size=2, seq_len=64, reshard_after_forward=raf)
-            for s, raf in (("fsdp2", True), ("fsdp2", False), ("fsdp1_full_shard", True))}
+    return {(s, raf, dtype): measure_step("cpu", strategy=s, batch_size=2, seq_len=64, reshard_after_forward=raf,
+                                          param_dtype=dtype)
+            for s, raf, dtype in FSDP_CASES}
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +116,14 @@ def fsdp_results():
     return launch(_measure_strategies, world_size=2, timeout=240)
 
 
-@pytest.mark.parametrize("strategy,raf", [("fsdp2", True), ("fsdp2", False), ("fsdp1_full_shard", True)])
-def test_fsdp_matches_tracker(fsdp_results, strategy, raf):
+@pytest.mark.parametrize("strategy,raf,dtype", FSDP_CASES)
+def test_fsdp_matches_tracker(fsdp_results, strategy, raf, dtype):
+    # a bf16 model's shards, gradients and AdamW state are bf16 in both (no float32 masters)
     for rank, results in enumerate(fsdp_results):
-        measured = results[(strategy, raf)]
+        measured = results[(strategy, raf, dtype)]
         assert measured.rank == rank
-        est = estimate("cpu", world_size=2, strategy=strategy, batch_size=2, seq_len=64, reshard_after_forward=raf)
+        est = estimate("cpu", world_size=2, strategy=strategy, batch_size=2, seq_len=64, reshard_after_forward=raf,
+                       param_dtype=dtype)
         at_step = est.phases["optimizer_step"]
         end = measured.timeline[-2][1]  # after the optimizer step, before zero_grad's effect is read
         assert measured.current["sharded_params"] == at_step["sharded_params"]

@@ -418,17 +418,23 @@ def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, s
         apply_lora(model, LORA_TARGETS, rank=lora_rank, quantize_base=True)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    # estimate()'s param_dtype is the dtype parameters are stored (and trained) in, as in
+    # PyTorch's FSDP; fsdp_lab's default policies would keep float32 masters of a bf16 model.
+    own_dtype = {"main_params_dtype": None, "main_grads_dtype": None}
     if strategy == "fsdp2":
         from fsdp_lab.fsdp2 import fully_shard
+        from fsdp_lab.precision import MixedPrecisionPolicy
+        policy = MixedPrecisionPolicy(**own_dtype)
         for block in model.layers:
-            fully_shard(block, reshard_after_forward=reshard_after_forward)
-        fully_shard(model)
+            fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     elif strategy.startswith("fsdp1"):
         from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+        from fsdp_lab.precision import MixedPrecision
         sharding = {"fsdp1_full_shard": ShardingStrategy.FULL_SHARD, "fsdp1_no_shard": ShardingStrategy.NO_SHARD,
                     "fsdp1_shard_grad_op": ShardingStrategy.SHARD_GRAD_OP}[strategy]
         model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-                                         sharding_strategy=sharding)
+                                         sharding_strategy=sharding, mixed_precision=MixedPrecision(**own_dtype))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=foreach)
     vocab = model.config.vocab_size if hasattr(model, "config") else LlamaConfig.from_name(config).vocab_size
     rank = dist.get_rank() if dist.is_initialized() else 0
