@@ -65,6 +65,7 @@ step fsdp1_vs_fsdp2 120 "$PY" benchmarks/fsdp1_vs_fsdp2.py --world-size 1
 step launch_and_collectives 150 "$PY" benchmarks/launch_and_collectives.py --world-size 1 --rounds 3 --pairs 60 --repeats 3
 step automicrobatch 120 "$PY" benchmarks/automicrobatch.py --world-size 1
 step fsdp1_flat_grad 90 "$PY" benchmarks/fsdp1_flat_grad.py --world-size 1
+step estimate_vs_measured 120 "$PY" benchmarks/estimate_vs_measured.py
 step nf4_compile 180 "$PY" benchmarks/nf4_compile.py --device cuda
 
 # The suite gets what is left of SUITE_SECONDS (default 900) after the benchmarks.
