@@ -57,7 +57,9 @@ def check_float_dtype(field: str, dtype: torch.dtype | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """FSDP2's mixed-precision policy (same fields and defaults as PyTorch's).
+    """FSDP2's mixed-precision policy: PyTorch's four fields with PyTorch's defaults, and three
+    from Megatron-FSDP (``main_*`` and ``grad_comm_dtype``), whose float32 defaults give a
+    bf16 model float32 master shards and gradients (docs/precision.md).
 
     param_dtype: dtype of the all-gathered (unsharded) parameters used for compute.
     reduce_dtype: dtype of gradients on the wire in reduce-scatter / all-reduce.
@@ -112,7 +114,8 @@ class MixedPrecisionPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecision:
-    """FSDP1's mixed-precision config (same fields and defaults as PyTorch's).
+    """FSDP1's mixed-precision config: PyTorch's fields with PyTorch's defaults, and the three
+    Megatron-FSDP fields of ``MixedPrecisionPolicy`` (float32 masters of a bf16 model by default).
 
     keep_low_precision_grads: leave ``.grad`` in ``param_dtype`` instead of upcasting
     to the sharded parameter's dtype after the reduce-scatter.

@@ -60,7 +60,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     ``reshard_after_forward``: True frees the gathered parameters after forward and gathers
     them again in backward; False keeps them until after backward; None (default, as in
     PyTorch) means True except for the root module, whose parameters would be gathered again
-    at once. Returns ``module`` (now an ``FSDPModule``).
+    at once. ``mp_policy``: a bf16 or fp16 model's trainable parameters get float32 master
+    shards by default (``main_params_dtype``; PyTorch's FSDP2 keeps them in their own dtype,
+    which ``MixedPrecisionPolicy(main_params_dtype=None)`` gives). Returns ``module`` (now an
+    ``FSDPModule``).
 
     Raises:
         ValueError: the module is already an FSDPModule; a parameter is already managed by
