@@ -10,7 +10,7 @@ other ranks and settles on 4; after 3 clean steps its sync hooks are gone. Then 
 alternate between it and a hand-written loop with a fixed microbatch of 4 (no budget tracker in
 either: the budget only drives the search). Reported: median step time of the slowest rank and
 throughput (samples/s over all ranks). Target: throughput auto/fixed >= 0.95.
-Writes ``benchmarks/results/automicrobatch_<device>.json`` (cpu, or the GPU's name).
+Writes ``benchmarks/results/automicrobatch_<cpu|cuda>.json`` (a GPU's name under ``gpu``).
 """
 
 from __future__ import annotations
@@ -112,13 +112,15 @@ def main() -> None:
     samples = args.batch_size * args.world_size
     throughput = {name: samples / median[name] for name in median}
     ratio = throughput["auto"] / throughput["fixed"]
-    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0).replace(" ", "_")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {"device": device, "world_size": args.world_size, "batch_size_per_rank": args.batch_size,
               "seq_len": args.seq_len, "steps": args.steps, "microbatch": ranks[0]["microbatch"],
               "budget_bytes": ranks[0]["budget"], "peaks_bytes": ranks[0]["peaks"],
               "hooks_after_settling": ranks[0]["hooks_after_settling"], "events": ranks[-1]["events"],
               "median_step_s": median, "samples_per_s": throughput, "throughput_ratio_auto_over_fixed": ratio,
               "target": ">= 0.95"}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(0)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"automicrobatch_{device}.json"
     path.write_text(json.dumps(result, indent=2))

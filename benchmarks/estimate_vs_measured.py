@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
               "cpus": os.cpu_count(), "batch_size": args.batch_size, "seq_len": args.seq_len,
               "ratio_min": min(ratios), "ratio_max": max(ratios),
               "model_states_identical": not mismatched, "rows": rows}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
     RESULTS.mkdir(exist_ok=True)
     out = pathlib.Path(args.out) if args.out else RESULTS / f"estimate_vs_measured_{device}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -7,7 +7,7 @@ Same model (the "cpu" Llama, one FSDP1 unit so gradient buffers dominate), bf16 
 fp32 reduce, FULL_SHARD, same data. Per mode and rank 0: losses of 3 steps (must be
 identical), the peak of FSDP's gradient buffers (tagged full-size gradients, reduce-scatter
 inputs and reduced shards, sampled after every op), the tracker's whole-step peak, and on
-CUDA ``torch.cuda.max_memory_reserved``. Each mode runs in its own launch (fresh processes). Writes benchmarks/results/fsdp1_flat_grad_<cpu|gpu>.json.
+CUDA ``torch.cuda.max_memory_reserved``. Each mode runs in its own launch (fresh processes). Writes benchmarks/results/fsdp1_flat_grad_<cpu|cuda>.json.
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ def main() -> None:
     if "cuda_max_memory_reserved_bytes" in flat:
         summary["cuda_reserved_ratio_flat_over_concat"] = (flat["cuda_max_memory_reserved_bytes"]
                                                            / concat["cuda_max_memory_reserved_bytes"])
-    kind = "gpu" if torch.cuda.is_available() else "cpu"
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    summary["device"] = kind
+    if kind == "cuda":
+        summary["gpu"] = torch.cuda.get_device_name(0)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"fsdp1_flat_grad_{kind}.json"
     path.write_text(json.dumps(summary, indent=2))

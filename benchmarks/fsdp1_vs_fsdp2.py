@@ -8,7 +8,7 @@ implementation, on the same ranks and data: step time (median of the timed steps
 rank), peak memory (the tracker's whole-step peak on rank 0; on CUDA also
 ``torch.cuda.max_memory_allocated``), and collectives per step (count and bytes, from the
 timeline). Target on CPU: our FSDP1 step time <= 1.10x our FSDP2. On GPU: our FSDP1 peak
-<= PyTorch FSDP1's. Writes benchmarks/results/fsdp1_vs_fsdp2_<cpu|gpu>.json.
+<= PyTorch FSDP1's. Writes benchmarks/results/fsdp1_vs_fsdp2_<cpu|cuda>.json.
 """
 
 from __future__ import annotations
@@ -111,14 +111,16 @@ def main() -> None:
         rows[kind]["step_time_s"] = max(r[kind]["step_time_s"] for r in per_rank)
     ratio = rows["ours_fsdp1"]["step_time_s"] / rows["ours_fsdp2"]["step_time_s"]
     summary = {"world_size": args.world_size, "model": "Llama cpu, one unit per block + root",
-               "global_batch": args.batch, "seq_len": args.seq, "device": "gpu" if gpu else "cpu",
+               "global_batch": args.batch, "seq_len": args.seq, "device": "cuda" if gpu else "cpu",
                "step_time_ratio_ours_fsdp1_over_ours_fsdp2": ratio,
                "target_cpu_step_time_ratio_max": 1.10, "rows": rows}
     if "torch_fsdp1" in rows:
         summary["peak_ratio_ours_fsdp1_over_torch_fsdp1"] = (rows["ours_fsdp1"]["cuda_max_memory_allocated_bytes"]
                                                              / rows["torch_fsdp1"]["cuda_max_memory_allocated_bytes"])
+    if gpu:
+        summary["gpu"] = torch.cuda.get_device_name(0)
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"fsdp1_vs_fsdp2_{'gpu' if gpu else 'cpu'}.json"
+    path = RESULTS / f"fsdp1_vs_fsdp2_{'cuda' if gpu else 'cpu'}.json"
     path.write_text(json.dumps(summary, indent=2))
     print(f"{'implementation':<12} {'step ms':>8} {'peak MiB':>9} {'colls':>6} {'coll MiB':>9}")
     for kind, r in rows.items():

@@ -9,7 +9,7 @@ per implementation: median step time (seconds, slowest rank) and the peak of mem
 by ``fsdp_lab.memory.tracker.MemoryTracker`` (bytes of live tensor storages on rank 0, one
 step, every category: parameters, gradients, optimizer state, activations, buffers).
 Targets: time ours/torch <= 1.10, peak memory ours/torch <= 1.00.
-Writes ``benchmarks/results/fsdp2_vs_torch_<device>.json`` (cpu, or the GPU's name).
+Writes ``benchmarks/results/fsdp2_vs_torch_<cpu|cuda>.json`` (a GPU's name under ``gpu``).
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def main() -> None:
     print(f"time ratio ours/torch:   {result['time_ratio']:.3f}  (target <= 1.10)")
     print(f"memory ratio ours/torch: {result['memory_ratio']:.3f}  (target <= 1.00)")
 
-    device = result["device"]
-    tag = "cpu" if device == "cpu" else torch.cuda.get_device_name().lower().replace(" ", "_")
+    tag = "cpu" if result["device"] == "cpu" else "cuda"
+    if tag == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"fsdp2_vs_torch_{tag}.json"
     path.write_text(json.dumps(result, indent=2))

@@ -47,7 +47,7 @@ step accelerator_tests 120 "${TESTS[@]}" tests/test_nf4.py -k pin_memory -rA --t
 step memory_tracker 120 "$PY" benchmarks/memory_tracker.py
 # the same step with 32x the tokens: ops as many, each bigger (the tracker's cost is per op)
 step memory_tracker_large 120 "$PY" benchmarks/memory_tracker.py --batch-size 256 --seq-len 128 \
-    --out benchmarks/results/memory_tracker_gpu_batch256.json
+    --out benchmarks/results/memory_tracker_cuda_batch256.json
 step nf4 90 "$PY" benchmarks/nf4.py --device cuda
 
 suite=

@@ -20,7 +20,7 @@ wall-clock time; on a GPU, wall-clock time with the device synchronised.
 On a GPU the model runs there and steps are synchronised before timing.
 It also sets the tracked step beside ``estimate`` (and, on CUDA, beside the allocator's
 ``torch.cuda.max_memory_allocated``): peak bytes by category, estimated vs measured.
-Writes ``benchmarks/results/memory_tracker_<device>.json`` (cpu, or the GPU's name).
+Writes ``benchmarks/results/memory_tracker_<cpu|cuda>.json`` (the GPU's name under ``device``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> dict:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--out", default=None,
-                        help="JSON path (default benchmarks/results/memory_tracker_<device>.json)")
+                        help="JSON path (default benchmarks/results/memory_tracker_<cpu|cuda>.json)")
     args = parser.parse_args()
 
     device = current_device()
@@ -202,8 +202,7 @@ def main() -> dict:
     result.update(estimate_peak=est.bytes, estimate_total=est.total, tracked_peak=measured.peak,
                   tracked_total=measured.peak_total, cuda=measured.cuda)
     RESULTS.mkdir(exist_ok=True)
-    name = "cpu" if device.type == "cpu" else result["device"].replace(" ", "_").lower()
-    out = pathlib.Path(args.out) if args.out else RESULTS / f"memory_tracker_{name}.json"
+    out = pathlib.Path(args.out) if args.out else RESULTS / f"memory_tracker_{device.type}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result
 

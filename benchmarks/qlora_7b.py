@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/qlora_7b.py                  # CPU: estimator + fake-tensor run
                                                                 # -> benchmarks/results/qlora_7b_estimate_cpu.json
     PYTHONPATH=. python benchmarks/qlora_7b.py --device cuda    # GPU: real random init, measured
-                                                                # -> benchmarks/results/qlora_7b_<gpu>.json
+                                                                # -> benchmarks/results/qlora_7b_cuda.json
 
 The setting (Answer.AI fsdp_qlora benchmarks, FSDP1 + bitsandbytes on 2 x 24 GB GPUs, 4.98 GiB
 peak per GPU): Llama-2-7B shapes, random weights (no download), QLoRA rank 8 on q, k, v, o,
@@ -177,7 +177,7 @@ def main() -> None:
             except (NotImplementedError, TypeError, ValueError) as exc:
                 r = {"error": f"{type(exc).__name__}: {exc}"}
             result["measured"][strategy] = r
-        name = "qlora_7b_" + result["gpu"].lower().replace(" ", "_") + ".json"
+        name = "qlora_7b_cuda.json"
 
     print(f"Llama-2-7B QLoRA, rank 0 of 2, bs 1, ctx 512, checkpointing, bf16 (published: {PUBLISHED_GIB} GiB)")
     for s, e in result["estimate"].items():
