@@ -126,6 +126,18 @@ def test_explorer_redraws_on_change_and_overlays_a_measurement():
         MemoryExplorer(colour="red")
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1_full_shard"])
+def test_explorer_measures_a_bf16_fsdp_step_in_the_estimates_dtypes(strategy):
+    # the hatched bars sit beside the estimate's: a bf16 model's shards and AdamW state are bf16 in both
+    ex = MemoryExplorer(model="cpu", world_size=2, strategy=strategy, param_dtype="bfloat16", batch_size=1, seq_len=32)
+    ex.measure(simulated=True)
+    measured = ex.measured[ex._key(ex.settings())]
+    at_step = ex.estimate(ex.settings()).phases["optimizer_step"]
+    for cat in ("sharded_params", "optimizer_state"):
+        assert measured.current[cat] == at_step[cat], cat
+    plt.close("all")
+
+
 def test_explorer_hybrid_shards_within_the_chosen_node():
     ex = MemoryExplorer(model="cpu", world_size=12, strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=32)
     ex.explorer.update()  # 12 GPUs are not whole 8-GPU nodes: the control that fixes it is named
