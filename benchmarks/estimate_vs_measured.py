@@ -5,10 +5,10 @@
 
 Grid: DDP on one process and, on 2 real ranks (``fsdp_lab.launch``, rank 0's numbers), FSDP2
 with resharding after forward on and off, FSDP1 FULL_SHARD and SHARD_GRAD_OP; each in float32
-and bfloat16 (parameters, gradients and AdamW state in that dtype), with and without activation
-checkpointing. ``measure_step`` takes a warm-up step and tracks the second. Per row: estimated
+and bfloat16 (parameters, gradients and AdamW state in that dtype) and as QLoRA in bfloat16 (NF4
+block linears, rank-8 adapters), with and without activation checkpointing. ``measure_step`` takes a warm-up step and tracks the second. Per row: estimated
 and measured peak bytes, their ratio, the estimate's peak phase and the tracker's label at its
-peak; model states (parameters, optimizer state) must agree to the byte, and the script exits
+peak; model states (parameters, NF4 bytes, optimizer state) must agree to the byte, and the script exits
 non-zero where they do not. Writes benchmarks/results/estimate_vs_measured_<cpu|cuda>.json.
 """
 
@@ -29,22 +29,24 @@ from fsdp_lab.memory.estimate import estimate, measure_step
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# (dtype name, QLoRA) per row of a strategy
+VARIANTS = [("float32", False), ("bfloat16", False), ("bfloat16", True)]
 # (strategy, reshard_after_forward, world size)
 STRATEGIES = [("ddp", True, 1), ("fsdp2", True, 2), ("fsdp2", False, 2),
               ("fsdp1_full_shard", True, 2), ("fsdp1_shard_grad_op", True, 2)]
 
 
-def _grid(world_size: int) -> list[tuple[str, bool, str, bool]]:
-    return [(s, raf, dtype, ac) for s, raf, ws in STRATEGIES if ws == world_size
-            for dtype in DTYPES for ac in (False, True)]
+def _grid(world_size: int) -> list[tuple[str, bool, str, bool, bool]]:
+    return [(s, raf, dtype, qlora, ac) for s, raf, ws in STRATEGIES if ws == world_size
+            for dtype, qlora in VARIANTS for ac in (False, True)]
 
 
 def _measure_all(world_size: int, batch_size: int, seq_len: int) -> dict:
     """Every configuration of the grid for this world size, measured on this rank."""
-    return {(s, raf, dtype, ac): measure_step("cpu", strategy=s, batch_size=batch_size, seq_len=seq_len,
-                                              param_dtype=DTYPES[dtype], activation_checkpointing=ac,
-                                              reshard_after_forward=raf)
-            for s, raf, dtype, ac in _grid(world_size)}
+    return {(s, raf, dtype, qlora, ac): measure_step("cpu", strategy=s, batch_size=batch_size, seq_len=seq_len,
+                                                     param_dtype=DTYPES[dtype], activation_checkpointing=ac,
+                                                     reshard_after_forward=raf, qlora=qlora)
+            for s, raf, dtype, qlora, ac in _grid(world_size)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,26 +61,28 @@ def main(argv: list[str] | None = None) -> int:
     measured.update(launch(_measure_all, 2, args.batch_size, args.seq_len, world_size=2, timeout=600)[0])
     device = current_device().type
     rows, mismatched = [], []
-    print(f"{'strategy':<20}{'reshard':>8}{'dtype':>10}{'ckpt':>6}{'estimate':>12}{'measured':>12}"
+    print(f"{'strategy':<20}{'reshard':>8}{'dtype':>15}{'ckpt':>6}{'estimate':>12}{'measured':>12}"
           f"{'est/meas':>10}  estimate's phase / tracker's label at its peak")
     for s, raf, ws in STRATEGIES:
-        for dtype in DTYPES:
+        for dtype, qlora in VARIANTS:
             for ac in (False, True):
-                m = measured[(s, raf, dtype, ac)]
+                m = measured[(s, raf, dtype, qlora, ac)]
                 est = estimate("cpu", world_size=ws, strategy=s, param_dtype=DTYPES[dtype],
                                batch_size=args.batch_size, seq_len=args.seq_len, activation_checkpointing=ac,
-                               reshard_after_forward=raf, device=device, foreach=False)
+                               reshard_after_forward=raf, device=device, foreach=False, qlora=qlora)
                 at_step = est.phases["optimizer_step"]
-                states = [c for c in ("params", "sharded_params", "optimizer_state") if m.current[c] != at_step[c]]
+                states = [c for c in ("params", "sharded_params", "quantized", "optimizer_state")
+                          if m.current[c] != at_step[c]]
+                name = dtype + (" QLoRA" if qlora else "")
                 if states:
-                    mismatched.append(f"{s} {dtype} checkpointing={ac}: {', '.join(states)}")
+                    mismatched.append(f"{s} {name} checkpointing={ac}: {', '.join(states)}")
                 row = {"strategy": s, "reshard_after_forward": raf, "world_size": ws, "dtype": dtype,
-                       "activation_checkpointing": ac, "estimate_bytes": est.total,
+                       "qlora": qlora, "activation_checkpointing": ac, "estimate_bytes": est.total,
                        "measured_bytes": m.peak_total, "estimate_over_measured": round(est.total / m.peak_total, 4),
                        "estimate_phase": est.phase, "measured_at": m.peak_label,
                        "model_states_exact": not states}
                 rows.append(row)
-                print(f"{s:<20}{str(raf):>8}{dtype:>10}{'on' if ac else 'off':>6}{est.total:>12,}"
+                print(f"{s:<20}{str(raf):>8}{name:>15}{'on' if ac else 'off':>6}{est.total:>12,}"
                       f"{m.peak_total:>12,}{row['estimate_over_measured']:>10.3f}  {est.phase} / {m.peak_label}")
     ratios = [r["estimate_over_measured"] for r in rows]
     print(f"estimate/measured from {min(ratios):.3f} to {max(ratios):.3f} over {len(rows)} configurations; "

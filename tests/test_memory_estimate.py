@@ -171,6 +171,21 @@ def test_adamw_step_counters_are_off_the_gpu():
     assert estimate("cpu", **sgd)["optimizer_state"] == estimate("cpu", **sgd, device="cuda")["optimizer_state"]
 
 
+@pytest.mark.parametrize("strategy,world_size", [("ddp", 1), ("fsdp2", 2), ("fsdp1_full_shard", 2)])
+def test_backward_phases_hold_gradient_and_dequantized_temporaries(strategy, world_size):
+    """By hand, CPU Llama in bf16 (e = 2), T = 2 x 64 tokens: a recomputed block's backward holds two
+    e*T*f gradient temporaries of the feed-forward, and QLoRA one dequantized f x d weight in backward."""
+    cfg = LlamaConfig.from_name("cpu")
+    e, T, f, d = 2, 2 * 64, cfg.ffn_hidden, cfg.dim
+    args = dict(world_size=world_size, strategy=strategy, param_dtype=torch.bfloat16, batch_size=2, seq_len=64)
+    qlora_ac = estimate(cfg, **args, qlora=True, activation_checkpointing=True)
+    assert qlora_ac.phases["backward"]["temporaries"] == 2 * e * T * f + f * d * e
+    assert qlora_ac.phases["backward_end"]["temporaries"] == 2 * e * T * f + f * d * e
+    ac = estimate(cfg, **args, activation_checkpointing=True)
+    assert ac.phases["backward"]["temporaries"] == 2 * e * T * f
+    assert estimate(cfg, **args).phases["backward"]["temporaries"] == 0
+
+
 def test_options_change_what_they_should():
     base = dict(world_size=8, strategy="fsdp2", param_dtype=torch.bfloat16, batch_size=1, seq_len=4096)
     plain = estimate("llama2-7b", **base)

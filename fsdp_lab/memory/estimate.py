@@ -326,12 +326,18 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     loss_grad_acts = acts["total"] - acts["labels"]
     emb_grad = 0 if qlora else config.vocab_size * config.dim
     acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
+    # QLoRA: each NF4 linear dequantizes its weight into a temporary in forward and in backward
+    dequant_temp = max((math.prod(s) for u, n, s in shapes if u != "root" and n.split(".")[-1] in LORA_TARGETS),
+                       default=0) * c if qlora else 0
+    # under checkpointing the backward phase holds a recomputed block, so its gradient temporaries too
+    bwd_temp = dequant_temp + (acts["backward_transient"] if activation_checkpointing else 0)
     if not sharded:
         phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad)
-        phases["backward"] = phase(activations=bwd_acts, grads=head_grad * g)
+        phases["backward"] = phase(activations=bwd_acts, grads=head_grad * g, temporaries=bwd_temp)
         # end of backward: every gradient but the embedding's, block 0 still (re)computed
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
-                                       grads=grads - emb_grad * g, temporaries=acts["backward_transient"])
+                                       grads=grads - emb_grad * g,
+                                       temporaries=acts["backward_transient"] + dequant_temp)
         phases["optimizer_step"] = phase(grads=grads, temporaries=opt_temp)
         if strategy == "ddp" and world_size > 1:
             notes.append("DDP modelled with gradients all-reduced in place; torch's DistributedDataParallel "
@@ -341,11 +347,8 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         layers_unsharded = config.n_layers * layer_numel * c if keep_unsharded else 0
         # QLoRA: the NF4 linears are gathered as packed bytes (layer_quant bytes per block,
         # copied out of the flat all-gather buffer); norms and adapters in the compute dtype.
-        # Each NF4 linear dequantizes its weight into a temporary in forward and in backward.
         layer_gathered = (layer_numel - quant_numel / max(config.n_layers, 1) + layer_grad) if qlora else layer_numel
         layer_quant = quant_bytes // max(config.n_layers, 1) if qlora else 0
-        dequant_temp = max((math.prod(s) for u, n, s in shapes if u != "root" and n.split(".")[-1] in LORA_TARGETS),
-                           default=0) * c if qlora else 0
         unsharded_fwd = root_numel * c + (layers_unsharded if not qlora else 0)
         if qlora and keep_unsharded:
             unsharded_fwd += config.n_layers * (layer_quant + int(layer_gathered * c))
@@ -359,7 +362,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
                                       comm_buffers=0 if keep_unsharded else int(layer_gathered * c) + layer_quant)
         phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
                                    unsharded_grads=int(head_grad * g + layer_grad * g),
-                                   comm_buffers=int(layer_grad * g), temporaries=dequant_temp)
+                                   comm_buffers=int(layer_grad * g), temporaries=bwd_temp)
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
                                        unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
                                        unsharded_grads=int(emb_grad * g + layer_grad * g), comm_buffers=int(layer_grad * g),
