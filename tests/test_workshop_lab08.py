@@ -7,6 +7,8 @@ the formula written out here and against ``LoRALinear``.
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -145,3 +147,23 @@ def test_published_against_estimates_prints_the_estimates_shares(tmp_path, capsy
                          "talk's FSDP2 figure")
     assert lines[-1] == ("share of the estimate (FSDP2): activations 50%, temporaries 25% at batch 8 x 2048; "
                          "activations 25%, temporaries 0% at batch 1 x 512 (rank 64)")
+
+
+def test_published_against_estimates_adds_the_recorded_gpu_runs(tmp_path, capsys):
+    from fsdp_lab.memory.estimate import Breakdown
+    made_up = Breakdown(bytes={"activations": 2**30}, phase="forward_end")
+    published = {"talk, FSDP1 + bitsandbytes": 12.88, "talk, FSDP2 + torchao NF4": 12.60,
+                 "Answer.AI (rank 64), peak reserved": 4.98}
+    gpu = tmp_path / "qlora_7b_cuda.json"
+    gpu.write_text(json.dumps({"gpu": "Some GPU", "torch": "2.11.0", "measured": {
+        "fsdp2": {"peak_gib": 3.196}, "fsdp1": {"error": "NotImplementedError: ..."}}}))
+    lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up},
+                                            fake_tensor_results=str(tmp_path / "missing.json"), gpu_results=str(gpu))
+    out = capsys.readouterr().out
+    assert "GPU run of our FSDP2, rank 8" in out and "≈3.20 GiB" in out
+    assert "GPU run of our FSDP1" not in out  # a run that failed is not shown as a figure
+    assert "(GPU runs: Some GPU, torch 2.11.0, torch.cuda.max_memory_allocated)" in out
+    lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up},
+                                            fake_tensor_results=str(tmp_path / "missing.json"),
+                                            gpu_results=str(tmp_path / "none.json"))
+    assert "no GPU runs" in capsys.readouterr().out
