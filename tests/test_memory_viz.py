@@ -111,10 +111,10 @@ def test_explorer_redraws_on_change_and_overlays_a_measurement():
     fig, _ = ex.figure()
     assert any(p.get_hatch() == "//" for p in fig.axes[0].patches)
     plt.close("all")
-    ex.controls["qlora"].value = True
+    ex.controls["cpu_offload"].value = True
     ex.measure()
-    assert "QLoRA" in ex.status.value
-    ex.controls["qlora"].value = False
+    assert "CPU offload" in ex.status.value
+    ex.controls["cpu_offload"].value = False
     for control, value, fix in (("optimizer", "sgd", "set optimizer to adamw"),
                                 ("grad_dtype", "bfloat16", "set grads to same")):
         before = ex.controls[control].value
@@ -126,15 +126,18 @@ def test_explorer_redraws_on_change_and_overlays_a_measurement():
         MemoryExplorer(colour="red")
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1_full_shard"])
-def test_explorer_measures_a_bf16_fsdp_step_in_the_estimates_dtypes(strategy):
-    # the hatched bars sit beside the estimate's: a bf16 model's shards and AdamW state are bf16 in both
-    ex = MemoryExplorer(model="cpu", world_size=2, strategy=strategy, param_dtype="bfloat16", batch_size=1, seq_len=32)
+@pytest.mark.parametrize("strategy,qlora", [("fsdp2", False), ("fsdp1_full_shard", False), ("fsdp2", True)])
+def test_explorer_measures_a_bf16_fsdp_step_in_the_estimates_dtypes(strategy, qlora):
+    # the hatched bars sit beside the estimate's: a bf16 model's shards and AdamW state are bf16 in
+    # both, and a QLoRA step has the estimate's NF4 bytes and adapters
+    ex = MemoryExplorer(model="cpu", world_size=2, strategy=strategy, param_dtype="bfloat16", batch_size=1, seq_len=32,
+                        qlora=qlora)
     ex.measure(simulated=True)
     measured = ex.measured[ex._key(ex.settings())]
     at_step = ex.estimate(ex.settings()).phases["optimizer_step"]
-    for cat in ("sharded_params", "optimizer_state"):
+    for cat in ("sharded_params", "optimizer_state", "quantized"):
         assert measured.current[cat] == at_step[cat], cat
+    assert measured.current["quantized"] > 0 if qlora else measured.current["quantized"] == 0
     plt.close("all")
 
 

@@ -29,13 +29,14 @@ def measure(settings: dict, simulated: bool | None = None):
     """Measure rank 0's peak for ``settings`` (the explorer's control values) on the "cpu"-sized
     model given there; returns a MemoryResult. Runs ``world_size`` real ranks with
     ``fsdp_lab.launch`` up to MEASURE_MAX_WORLD, else (or with ``simulated=True``) rank 0 of a
-    simulated world. Raises ValueError for what cannot be measured (QLoRA, offload, big models),
+    simulated world. QLoRA runs NF4 base weights with rank-8 adapters, as the estimate assumes.
+    Raises ValueError for what cannot be measured (CPU offload, hybrid sharding, big models),
     and for an optimizer or gradient dtype other than the measured step's (AdamW, gradients in
     the parameters' dtype), so a measurement is never drawn beside the estimate of another setup.
     """
-    if settings["qlora"] or settings["cpu_offload"]:
-        raise ValueError("measuring QLoRA or CPU offload is not wired into the explorer; "
-                         "see the QLoRA lab for a measured QLoRA step")
+    if settings["cpu_offload"]:
+        raise ValueError("measuring CPU offload is not wired into the explorer; "
+                         "lab 09 measures an offloaded step")
     if settings.get("optimizer", "adamw") != "adamw":
         raise ValueError(f"measure runs plain AdamW, not {settings['optimizer']}: set optimizer to adamw")
     if settings.get("grad_dtype", "same") not in ("same", settings["param_dtype"]):
@@ -47,7 +48,7 @@ def measure(settings: dict, simulated: bool | None = None):
     kwargs = dict(strategy=settings["strategy"], batch_size=settings["batch_size"], seq_len=settings["seq_len"],
                   param_dtype=DTYPES[settings["param_dtype"]],
                   activation_checkpointing=settings["activation_checkpointing"],
-                  reshard_after_forward=settings["reshard_after_forward"])
+                  reshard_after_forward=settings["reshard_after_forward"], qlora=settings["qlora"])
     if settings["strategy"] not in MEASURABLE:
         raise ValueError(f"measuring {settings['strategy']} is not supported; use one of {', '.join(MEASURABLE)}")
     if n == 1:
