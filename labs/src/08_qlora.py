@@ -398,8 +398,7 @@ CELLS = [
     talk_estimate = {s: live(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
     small = {rank: live(rank=rank) for rank in (8, 64)}
     recorded = files.labs.parent / "benchmarks/results"
-    lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small,
-                                            fake_tensor_results=recorded / "qlora_7b_estimate_cpu.json",
+    lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small, recorded / "qlora_7b_estimate_cpu.json",
                                             gpu_results=recorded / "qlora_7b_cuda.json")
     """),
     md("""
@@ -419,9 +418,8 @@ CELLS = [
     """),
     md("""
     At batch 8 × 2048 activations and temporaries are most of the estimate (the shares printed above), which
-    lands close to the talk's figures (the difference printed above). The lines marked GPU are our own code
-    measured on a GPU by `python benchmarks/qlora_7b.py --device cuda` (rank 0 of a simulated world of 2,
-    peak `torch.cuda.max_memory_allocated`), recorded on the GPU and torch version named beside them.
+    lands close to the talk's figures (the difference printed above). The GPU lines are our own code on the GPU
+    and torch named beside them (`benchmarks/qlora_7b.py --device cuda`: rank 0 of 2, `max_memory_allocated`).
 
     ## 9. Explore: rank, block size, double quantization, world size
 
