@@ -11,6 +11,10 @@ from fsdp_lab.memory.cli import add_estimate_parser, run_estimate
 from fsdp_lab.memory.estimate import activation_bytes, deepspeed_model_states, estimate, measure_step
 from fsdp_lab.models.llama import LlamaConfig
 
+# estimate vs measured peak: benchmarks/estimate_vs_measured.py finds 0.95x-1.06x on CPU over
+# 30 configurations; a new gap beyond 7% is a modelling error to look at, not noise (memory is exact)
+PEAK_TOLERANCE = 0.07
+
 # Llama-2-7B by hand: embeddings and output 32000x4096 each; per block 4 attention projections
 # 4096x4096, 3 feed-forward 4096x11008, 2 norms of 4096; 32 blocks; final norm 4096.
 P7B = 2 * 32000 * 4096 + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096
@@ -98,7 +102,7 @@ def test_single_process_matches_tracker(dtype):
         assert measured.max_by_category[cat] == at_step[cat], cat
     acts = est.phases["forward_end"]["activations"]
     assert abs(measured.max_by_category["activations"] - acts) <= 0.10 * acts
-    assert abs(measured.peak_total - est.total) <= 0.10 * est.total
+    assert abs(measured.peak_total - est.total) <= PEAK_TOLERANCE * est.total
 
 
 FSDP_CASES = [("fsdp2", True, torch.float32), ("fsdp2", False, torch.float32), ("fsdp1_full_shard", True, torch.float32),
@@ -131,7 +135,7 @@ def test_fsdp_matches_tracker(fsdp_results, strategy, raf, dtype):
         assert end["sharded_grads"] == at_step["sharded_grads"]
         acts = est.phases["forward_end"]["activations"]
         assert abs(measured.max_by_category["activations"] - acts) <= 0.10 * acts
-        assert abs(measured.peak_total - est.total) <= 0.10 * est.total
+        assert abs(measured.peak_total - est.total) <= PEAK_TOLERANCE * est.total
 
 
 def test_fsdp_shards_are_half_on_two_ranks():

@@ -25,6 +25,7 @@ GLOBAL_BATCH, SEQ = 4, 16
 LR, EPS = 5e-3, 1e-4
 RANK, ALPHA = 8, 16
 TOL = 1e-5
+PEAK_TOLERANCE = 0.07  # estimate vs measured peak, as in test_memory_estimate.py
 # FSDP2: adapters grouped with their block / each LoRALinear its own group; FSDP1: one unit per block
 VARIANTS = ("per_block", "per_linear", "fsdp1")
 
@@ -361,7 +362,7 @@ def _check_estimate(measured, est, sharded):
     assert measured.current["quantized"] == at_step["quantized"]
     acts = est.phases["forward_end"]["activations"]
     assert abs(measured.max_by_category["activations"] - acts) <= 0.10 * acts
-    assert abs(measured.peak_total - est.total) <= 0.10 * est.total
+    assert abs(measured.peak_total - est.total) <= PEAK_TOLERANCE * est.total
 
 
 def test_estimate_matches_tracker_single_process():
