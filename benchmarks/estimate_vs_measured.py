@@ -4,7 +4,7 @@
     python benchmarks/estimate_vs_measured.py --batch-size 4 --seq-len 128
 
 Grid: DDP on one process and, on 2 real ranks (``fsdp_lab.launch``, rank 0's numbers), FSDP2
-with resharding after forward on and off, FSDP1 FULL_SHARD and SHARD_GRAD_OP; each in float32
+with resharding after forward on and off, FSDP1 FULL_SHARD, SHARD_GRAD_OP and NO_SHARD; each in float32
 and bfloat16 (parameters, gradients and AdamW state in that dtype) and as QLoRA in bfloat16 (NF4
 block linears, rank-8 adapters), with and without activation checkpointing. ``measure_step`` takes a warm-up step and tracks the second. Per row: estimated
 and measured peak bytes, their ratio, the estimate's peak phase and the tracker's label at its
@@ -33,7 +33,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 VARIANTS = [("float32", False), ("bfloat16", False), ("bfloat16", True)]
 # (strategy, reshard_after_forward, world size)
 STRATEGIES = [("ddp", True, 1), ("fsdp2", True, 2), ("fsdp2", False, 2),
-              ("fsdp1_full_shard", True, 2), ("fsdp1_shard_grad_op", True, 2)]
+              ("fsdp1_full_shard", True, 2), ("fsdp1_shard_grad_op", True, 2), ("fsdp1_no_shard", True, 2)]
 
 
 def _grid(world_size: int) -> list[tuple[str, bool, str, bool, bool]]:

@@ -106,7 +106,8 @@ def test_single_process_matches_tracker(dtype):
 
 
 FSDP_CASES = [("fsdp2", True, torch.float32), ("fsdp2", False, torch.float32), ("fsdp1_full_shard", True, torch.float32),
-              ("fsdp2", True, torch.bfloat16), ("fsdp1_full_shard", True, torch.bfloat16)]
+              ("fsdp2", True, torch.bfloat16), ("fsdp1_full_shard", True, torch.bfloat16),
+              ("fsdp1_no_shard", True, torch.float32)]  # whole parameters, in FSDP's categories
 
 
 def _measure_strategies():

@@ -272,7 +272,9 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     quant_local = quant_bytes if not sharded else (math.ceil(quant_bytes / shards) if flat else quant_shard)
     full_train = sum(math.prod(s) for _, s in trainable)
 
-    param_cat, grad_cat = ("sharded_params", "sharded_grads") if sharded else ("params", "grads")
+    # FSDP1's NO_SHARD keeps whole parameters in FSDP's flat parameters: DDP's bytes, FSDP's categories
+    no_shard = strategy == "fsdp1_no_shard"
+    param_cat, grad_cat = ("sharded_params", "sharded_grads") if sharded or no_shard else ("params", "grads")
     steady = dict.fromkeys(CATEGORIES, 0)
     steady[param_cat] = (train_numel + frozen_numel) * p
     steady["quantized"] = quant_local
@@ -333,12 +335,15 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     bwd_temp = dequant_temp + (acts["backward_transient"] if activation_checkpointing else 0)
     if not sharded:
         phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad)
-        phases["backward"] = phase(activations=bwd_acts, grads=head_grad * g, temporaries=bwd_temp)
+        # under NO_SHARD the root unit's gradients stay unsharded until its all-reduce, at the end
+        head = {"unsharded_grads" if no_shard else grad_cat: head_grad * g}
+        phases["backward"] = phase(activations=bwd_acts, temporaries=bwd_temp, **head)
         # end of backward: every gradient but the embedding's, block 0 still (re)computed
+        blocks = {grad_cat: grads - emb_grad * g - (head_grad * g if no_shard else 0)}
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
-                                       grads=grads - emb_grad * g,
-                                       temporaries=acts["backward_transient"] + dequant_temp)
-        phases["optimizer_step"] = phase(grads=grads, temporaries=opt_temp)
+                                       temporaries=acts["backward_transient"] + dequant_temp,
+                                       **(head | blocks if no_shard else blocks))
+        phases["optimizer_step"] = phase(temporaries=opt_temp, **{grad_cat: grads})
         if strategy == "ddp" and world_size > 1:
             notes.append("DDP modelled with gradients all-reduced in place; torch's DistributedDataParallel "
                          "adds gradient buckets (one more gradient copy) unless gradient_as_bucket_view=True")
