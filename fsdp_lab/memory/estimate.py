@@ -234,11 +234,12 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     units: dict[str, int] = {}
     for unit, _, shape in shapes:
         units[unit] = units.get(unit, 0) + math.prod(shape)
-    trainable, frozen, quant_numel, quant_bytes, quant_shard = [], [], 0, 0, 0
+    trainable, frozen, quant_numel, quant_bytes, quant_shard, largest_quant = [], [], 0, 0, 0, 0
     for unit, name, shape in shapes:
         leaf = name.split(".")[-1]
         if qlora and unit != "root" and leaf in LORA_TARGETS:
             quant_numel += math.prod(shape)
+            largest_quant = max(largest_quant, math.prod(shape))
             quant_bytes += _nf4_bytes(math.prod(shape))
             quant_shard += _nf4_shard_bytes(math.prod(shape), shards) if sharded else 0
             out_f, in_f = shape
@@ -329,20 +330,20 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     emb_grad = 0 if qlora else config.vocab_size * config.dim
     acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
     # QLoRA: each NF4 linear dequantizes its weight into a temporary in forward and in backward
-    dequant_temp = max((math.prod(s) for u, n, s in shapes if u != "root" and n.split(".")[-1] in LORA_TARGETS),
-                       default=0) * c if qlora else 0
+    dequant_temp = largest_quant * c
     # under checkpointing the backward phase holds a recomputed block, so its gradient temporaries too
     bwd_temp = dequant_temp + (acts["backward_transient"] if activation_checkpointing else 0)
     if not sharded:
         phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad)
         # under NO_SHARD the root unit's gradients stay unsharded until its all-reduce, at the end
-        head = {"unsharded_grads" if no_shard else grad_cat: head_grad * g}
-        phases["backward"] = phase(activations=bwd_acts, temporaries=bwd_temp, **head)
+        head_cat = "unsharded_grads" if no_shard else grad_cat
+        phases["backward"] = phase(activations=bwd_acts, temporaries=bwd_temp, **{head_cat: head_grad * g})
         # end of backward: every gradient but the embedding's, block 0 still (re)computed
-        blocks = {grad_cat: grads - emb_grad * g - (head_grad * g if no_shard else 0)}
-        phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
-                                       temporaries=acts["backward_transient"] + dequant_temp,
-                                       **(head | blocks if no_shard else blocks))
+        end = phase(activations=acts["last_block"] + acts["input_ids"],
+                    temporaries=acts["backward_transient"] + dequant_temp, **{grad_cat: grads - emb_grad * g})
+        end[grad_cat] -= head_grad * g
+        end[head_cat] += head_grad * g
+        phases["backward_end"] = end
         phases["optimizer_step"] = phase(temporaries=opt_temp, **{grad_cat: grads})
         if strategy == "ddp" and world_size > 1:
             notes.append("DDP modelled with gradients all-reduced in place; torch's DistributedDataParallel "
