@@ -139,8 +139,7 @@ def test_published_against_estimates_prints_the_estimates_shares(tmp_path, capsy
     published = {"talk, FSDP1 + bitsandbytes": 12.88, "talk, FSDP2 + torchao NF4": 12.60,
                  "Answer.AI (rank 64), peak reserved": 4.98}
     lab08.print_published_against_estimates(published, {"fsdp2": made_up(6, 3, 3)},
-                                            {8: made_up(0.5, 0.5, 1), 64: made_up(1, 0, 3)},
-                                            fake_tensor_results=str(tmp_path / "missing.json"))
+                                            {8: made_up(0.5, 0.5, 1), 64: made_up(1, 0, 3)}, str(tmp_path))
     lines = capsys.readouterr().out.splitlines()
     assert "estimate of live bytes, fsdp2" in lines[3] and lines[3].endswith("12.00 GiB")
     assert lines[-2] == ("published minus estimate: 0.98 GiB at batch 1 x 512 (rank 64); +0.60 GiB for the "
@@ -157,13 +156,10 @@ def test_published_against_estimates_adds_the_recorded_gpu_runs(tmp_path, capsys
     gpu = tmp_path / "qlora_7b_cuda.json"
     gpu.write_text(json.dumps({"gpu": "Some GPU", "torch": "2.11.0", "measured": {
         "fsdp2": {"peak_gib": 3.196}, "fsdp1": {"error": "NotImplementedError: ..."}}}))
-    lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up},
-                                            fake_tensor_results=str(tmp_path / "missing.json"), gpu_results=str(gpu))
+    lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up}, str(tmp_path))
     out = capsys.readouterr().out
     assert "GPU run of our FSDP2, rank 8" in out and "≈3.20 GiB" in out
     assert "GPU run of our FSDP1" not in out  # a run that failed is not shown as a figure
     assert "(GPU runs: Some GPU, torch 2.11.0, torch.cuda.max_memory_allocated)" in out
-    lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up},
-                                            fake_tensor_results=str(tmp_path / "missing.json"),
-                                            gpu_results=str(tmp_path / "none.json"))
+    lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up}, str(tmp_path / "none"))
     assert "no GPU runs" in capsys.readouterr().out

@@ -294,17 +294,16 @@ def _share(breakdown, category: str) -> float:
 
 
 def print_published_against_estimates(published: dict, talk_estimate: dict, small_batch_estimate: dict,
-                                      fake_tensor_results: str, gpu_results: str | None = None) -> None:
+                                      recorded: str) -> None:
     """Print the published Llama-2-7B QLoRA figures (GiB) beside the estimates of live bytes:
     ``published`` {label: GiB} with the two talk figures and Answer.AI's; ``talk_estimate``
     {strategy: Breakdown} at batch 8 x 2048, rank 8, with an "fsdp2" entry; ``small_batch_estimate``
     {LoRA rank: Breakdown} at batch 1 x 512, with a rank 64 entry (Breakdowns from
     ``fsdp_lab.memory.estimate.estimate``). Then the share of activations and temporaries in the
-    FSDP2 / rank-64 estimates. The fake-tensor runs of ``benchmarks/qlora_7b.py`` are added from the
-    JSON file ``fake_tensor_results`` (a path); without it a line says how to make it. The GPU runs
-    of ``benchmarks/qlora_7b.py --device cuda`` (``max_memory_allocated``) are added from
-    ``gpu_results`` when given, with the GPU and torch they ran on. Raises KeyError for a missing
-    figure or estimate."""
+    FSDP2 / rank-64 estimates. The runs ``benchmarks/qlora_7b.py`` recorded in the folder
+    ``recorded`` are added: on fake tensors (CPU), and on a GPU (``--device cuda``,
+    ``max_memory_allocated``) with the GPU and torch they ran on; for a missing file a line says
+    how to make it. Raises KeyError for a missing figure or estimate."""
     gib = {key: b.total / 2**30 for key, b in [*talk_estimate.items(), *small_batch_estimate.items()]}
     print("batch 8 x 2048, rank 8")
     for label in TALK:
@@ -315,18 +314,7 @@ def print_published_against_estimates(published: dict, talk_estimate: dict, smal
     print(f"  {'published: ' + ANSWER_AI:<50}{published[ANSWER_AI]:6.2f} GiB")
     for rank in small_batch_estimate:
         print(f"  {f'estimate of live bytes, rank {rank}':<50}{gib[rank]:6.2f} GiB")
-    if os.path.exists(fake_tensor_results):
-        with open(fake_tensor_results) as fh:
-            saved = json.load(fh)
-        for strategy in ("fsdp2", "fsdp1"):
-            if f"fake_tensor_run_{strategy}" in saved:
-                # after a "≈": the file is rewritten whenever benchmarks/qlora_7b.py runs
-                print(f"  {f'fake-tensor run of our {strategy.upper()}, rank 8':<49}"
-                      f"≈{saved[f'fake_tensor_run_{strategy}']['peak_gib']:.2f} GiB")
-    else:
-        print(f"  (no fake-tensor runs: {fake_tensor_results} is missing; python benchmarks/qlora_7b.py writes it)")
-    if gpu_results is not None:
-        _print_gpu_runs(gpu_results)
+    _print_recorded_runs(recorded)
     print(f"published minus estimate: {published[ANSWER_AI] - gib[64]:.2f} GiB at batch 1 x 512 "
           f"(rank 64); {published[TALK[1]] - gib['fsdp2']:+.2f} GiB for the talk's FSDP2 figure")
     big, small = talk_estimate["fsdp2"], small_batch_estimate[64]
@@ -335,18 +323,30 @@ def print_published_against_estimates(published: dict, talk_estimate: dict, smal
           f"temporaries {_share(small, 'temporaries'):.0%} at batch 1 x 512 (rank 64)")
 
 
-def _print_gpu_runs(path) -> None:
-    if not os.path.exists(path):
-        print(f"  (no GPU runs: {path} is missing; python benchmarks/qlora_7b.py --device cuda writes it on a GPU)")
-        return
-    with open(path) as fh:
-        saved = json.load(fh)
-    for strategy in ("fsdp2", "fsdp1"):
-        run = saved.get("measured", {}).get(strategy, {})
-        if "peak_gib" in run:
-            print(f"  {f'GPU run of our {strategy.upper()}, rank 8':<49}≈{run['peak_gib']:.2f} GiB")
-    print(f"  (GPU runs: {saved.get('gpu', 'unnamed GPU')}, torch {saved.get('torch', '?')}, "
-          f"torch.cuda.max_memory_allocated)")
+# benchmarks/qlora_7b.py's result files: (file, kind of run, where a strategy's run is, command)
+_RECORDED_RUNS = (
+    ("qlora_7b_estimate_cpu.json", "fake-tensor", lambda saved, s: saved.get(f"fake_tensor_run_{s}", {}),
+     "python benchmarks/qlora_7b.py"),
+    ("qlora_7b_cuda.json", "GPU", lambda saved, s: saved.get("measured", {}).get(s, {}),
+     "python benchmarks/qlora_7b.py --device cuda (on a GPU)"),
+)
+
+
+def _print_recorded_runs(recorded) -> None:
+    for file, kind, run_of, command in _RECORDED_RUNS:
+        path = os.path.join(recorded, file)
+        if not os.path.exists(path):
+            print(f"  (no {kind} runs: {path} is missing; {command} writes it)")
+            continue
+        with open(path) as fh:
+            saved = json.load(fh)
+        for strategy in ("fsdp2", "fsdp1"):
+            run = run_of(saved, strategy)
+            if "peak_gib" in run:  # after a "≈": the file is rewritten whenever the benchmark runs
+                print(f"  {f'{kind} run of our {strategy.upper()}, rank 8':<49}≈{run['peak_gib']:.2f} GiB")
+        if kind == "GPU":
+            print(f"  (GPU runs: {saved.get('gpu', 'unnamed GPU')}, torch {saved.get('torch', '?')}, "
+                  f"torch.cuda.max_memory_allocated)")
 
 
 def print_bitsandbytes_buffers(config) -> None:

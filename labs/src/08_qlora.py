@@ -397,9 +397,7 @@ CELLS = [
                  "Answer.AI (rank 64), peak reserved": 4.98}  # GiB, sources in REFERENCES.md
     talk_estimate = {s: live(s, rank=8, batch=8, seq=2048) for s in ("fsdp2", "fsdp1_full_shard")}
     small = {rank: live(rank=rank) for rank in (8, 64)}
-    recorded = files.labs.parent / "benchmarks/results"
-    lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small, recorded / "qlora_7b_estimate_cpu.json",
-                                            gpu_results=recorded / "qlora_7b_cuda.json")
+    lab08.print_published_against_estimates(PUBLISHED, talk_estimate, small, files.labs.parent / "benchmarks/results")
     """),
     md("""
     Where the gap at batch 1 × 512 can come from (sources in REFERENCES.md and Answer.AI's benchmark page):
