@@ -4,6 +4,7 @@ Importing the package touches no GPU and starts nothing: the public names below 
 loaded on first use.
 
     import fsdp_lab
+    fsdp_lab.start_fork_server()                      # optional: ranks' imports start now
     results = fsdp_lab.launch(fn, world_size=2)       # run fn on 2 ranks
     with fsdp_lab.simulated_world(8): ...             # be rank 0 of 8 in this process
 """
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 # ``launch`` is both a submodule and the function it defines. Binding the function here,
 # after the submodule is loaded, keeps ``fsdp_lab.launch`` the function even when other code
 # later runs ``import fsdp_lab.launch`` (a repeated import does not rebind the attribute).
-from fsdp_lab.launch import LaunchError, LaunchTimeout, launch  # noqa: E402
+from fsdp_lab.launch import LaunchError, LaunchTimeout, launch, start_fork_server  # noqa: E402
 from fsdp_lab.compare import compare  # noqa: E402  (same reason: module and function share a name)
 
 # public name -> module that defines it, loaded on first use
@@ -47,7 +48,7 @@ _EXPORTS = {
 _SUBMODULES = ("collectives", "dist", "timeline", "precision", "memory", "models", "viz",
                "fsdp1", "fsdp2", "qlora", "automicrobatch", "oom", "sync_points", "doctor")
 
-__all__ = ["launch", "LaunchError", "LaunchTimeout", "compare"] + sorted(_EXPORTS) + list(_SUBMODULES)
+__all__ = ["launch", "LaunchError", "LaunchTimeout", "start_fork_server", "compare"] + sorted(_EXPORTS) + list(_SUBMODULES)
 
 
 def __getattr__(name: str):

@@ -61,13 +61,28 @@ def start_rank(spec: dict, env: dict) -> "ForkedProcess":
     as it would after ``Popen(pass_fds=...)``. Raises RuntimeError when the server cannot start
     or answer."""
     with _LOCK:
-        global _SERVER
-        key = _state_key(env)
-        if _SERVER is None or _SERVER.key != key or not _SERVER.alive():
-            if _SERVER is not None:
-                _SERVER.close()
-            _SERVER = _Server(env, key)
-        return _SERVER.fork(spec, env)
+        return _server_for(env).fork(spec, env)
+
+
+def start_server(env: dict) -> None:
+    """Start the server ``start_rank`` would use for ``env`` now and return at once: it imports
+    torch in the background (seconds), and the first fork waits only for what is left of that.
+    Nothing happens when a server for ``env`` is already running. Raises OSError when the
+    server's process cannot be started; a server that starts and then fails is reported by the
+    first ``start_rank``."""
+    with _LOCK:
+        _server_for(env)
+
+
+def _server_for(env: dict) -> "_Server":
+    """The running server for ``env``, started (replacing one for another state) if needed."""
+    global _SERVER
+    key = _state_key(env)
+    if _SERVER is None or _SERVER.key != key or not _SERVER.alive():
+        if _SERVER is not None:
+            _SERVER.close()
+        _SERVER = _Server(env, key)
+    return _SERVER
 
 
 class ForkedProcess:
@@ -108,33 +123,45 @@ class ForkedProcess:
 
 
 class _Server:
-    """The parent's end of one fork server: its process, socket and the exits it reported."""
+    """The parent's end of one fork server: its process, socket and the exits it reported.
+    The process is started here; its "ready" is awaited by the first fork, so the imports it
+    does first can overlap with the caller's own work."""
 
     def __init__(self, env: dict, key: tuple):
-        self.key, self.exit_codes = key, {}
+        self.key, self.exit_codes, self.ready = key, {}, False
         self._lock = threading.Lock()
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", SERVER_MODULE, str(child_end.fileno())], env=env,
                 stdin=subprocess.DEVNULL, pass_fds=(child_end.fileno(),))
+        except BaseException:
+            parent_end.close()
+            raise
         finally:
             child_end.close()
         self.sock = parent_end
-        ready = self._receive(_READY_TIMEOUT_S)
-        if ready != {"op": "ready"}:
+
+    def alive(self) -> bool:
+        return self.sock is not None and self.process.poll() is None
+
+    def _await_ready(self) -> None:
+        """Wait (up to ``_READY_TIMEOUT_S``) for the server's "ready"; RuntimeError if it fails."""
+        if self.ready:
+            return
+        message = self._receive(_READY_TIMEOUT_S)
+        if message != {"op": "ready"}:
             code = self.process.poll()
             self.close()
             raise RuntimeError(f"fsdp_lab's fork server did not start (exit code {code}); its error "
                                f"is above. Set {START_ENV}=spawn to start each rank as a fresh "
                                "interpreter instead")
-
-    def alive(self) -> bool:
-        return self.sock is not None and self.process.poll() is None
+        self.ready = True
 
     def fork(self, spec: dict, env: dict) -> ForkedProcess:
         fds = [spec[name] for name in RANK_FDS]
         with self._lock:
+            self._await_ready()
             try:
                 request = {"op": "fork", "spec": spec, "env": env}
                 socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
@@ -174,7 +201,10 @@ class _Server:
                 pass
 
     def close(self) -> None:
-        """Close the socket (the server leaves) and reap the server's process."""
+        """Close the socket (the server leaves) and reap the server's process; one still
+        loading torch holds no ranks and is killed instead of waited for."""
+        if not self.ready and self.process.poll() is None:
+            self.process.kill()
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -222,8 +252,18 @@ def _state_key(env: dict) -> tuple:
     (``_IMPORT_TIME_ENV``), the working directory and fsdp_lab's sources (their mtimes). The
     rest of the environment is read later and is sent with each rank."""
     sources = tuple(sorted((str(p), p.stat().st_mtime_ns) for p in _PACKAGE.rglob("*.py")))
-    read_at_import = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)))
+    read_at_import = tuple(sorted((k, v) for k, v in env.items()
+                                  if k.startswith(_IMPORT_TIME_ENV) and not _set_by_torch(k, v)))
     return sys.executable, read_at_import, os.getcwd(), sources
+
+
+def _set_by_torch(name: str, value: str) -> bool:
+    """Whether ``name=value`` is what importing torch's dynamo writes into the environment
+    itself: the inductor cache directory at its default. The server imports dynamo and writes
+    the same, so a caller that imported dynamo after starting a server still matches it."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")  # loaded by whoever set it
+    return (name == "TORCHINDUCTOR_CACHE_DIR" and utils is not None
+            and value == os.path.abspath(utils.default_cache_dir()))
 
 
 _LOCK = threading.Lock()

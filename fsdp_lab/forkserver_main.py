@@ -50,7 +50,10 @@ def serve(sock: socket.socket) -> None:
     """Answer requests on ``sock`` until the parent closes it; reap and report children."""
     children: set[int] = set()
     exits: dict[int, int] = {}  # a pidfd per child (readable once it ends) -> its pid
-    sock.sendall(json.dumps({"op": "ready"}).encode())
+    try:
+        sock.sendall(json.dumps({"op": "ready"}).encode())
+    except OSError:  # the parent left (or replaced this server) while torch was loading
+        return
     while True:
         # With pidfds an ending child wakes this loop at once; without, look every period.
         timeout = None if hasattr(os, "pidfd_open") else _REAP_PERIOD_S

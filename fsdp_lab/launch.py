@@ -126,8 +126,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     printing = _printing_ranks(print_ranks, world_size)
     devices = [fdist.device_for_rank(r, backend) for r in range(world_size)]
-    # CPU ranks only: a CUDA driver loaded before a fork does not work in the child
-    by_fork = forkserver.enabled() and all(device.type == "cpu" for device in devices)
+    by_fork = _forks(devices)
     call = pickling.dumps_call(fn, args, kwargs)
 
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
@@ -161,6 +160,36 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
             slots.close()
 
 
+def start_fork_server(world_size: int = 2, backend: str = "auto") -> bool:
+    """Start now, in the background, what the first CPU launch would otherwise wait for: the
+    fork server that imports torch once (a few seconds of one core) and forks every rank.
+    Returns at once: True if a server is starting or running, False where launches of
+    ``world_size`` ranks on ``backend`` would not fork (GPU ranks, not Linux,
+    ``FSDP_LAB_LAUNCH_START=spawn``). A later launch uses the server only while the
+    environment, working directory and fsdp_lab's sources are as they were here; otherwise it
+    starts a new one, as without this call. Raises ValueError for a bad ``backend`` or
+    ``FSDP_LAB_LAUNCH_START``, OSError if the server's process cannot be started."""
+    backend = fdist.choose_backend(world_size, backend)
+    if not _forks([fdist.device_for_rank(r, backend) for r in range(world_size)]):
+        return False
+    forkserver.start_server(_rank_environment())
+    return True
+
+
+def _forks(devices: list[torch.device]) -> bool:
+    """Whether ranks on ``devices`` are forked from the fork server: CPU ranks only (a CUDA
+    driver loaded before a fork does not work in the child), where forking is on."""
+    return forkserver.enabled() and all(device.type == "cpu" for device in devices)
+
+
+def _rank_environment() -> dict:
+    """The environment a rank starts with: the caller's, with this fsdp_lab first on the path
+    (the rank must import this same fsdp_lab before it can read the caller's sys.path)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def require_posix(platform: str | None = None) -> None:
     """Raise OSError unless ``platform`` (default ``sys.platform``) is a POSIX system.
 
@@ -180,9 +209,7 @@ def _start_rank(spec: dict, slots: mmap.mmap, by_fork: bool) -> "_Rank":
     (``fsdp_lab.forkserver``), or as ``python -m fsdp_lab.launch_rank`` where that is off."""
     read_fd, write_fd = os.pipe()
     spec["msg_fd"] = write_fd
-    env = dict(os.environ)
-    # The rank must import this same fsdp_lab before it can read the caller's sys.path.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env = _rank_environment()
     try:
         if by_fork:
             process = forkserver.start_rank(spec, env)

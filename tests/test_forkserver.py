@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_lab import forkserver
-from fsdp_lab.launch import launch
+from fsdp_lab.launch import launch, start_fork_server
 from _launch_helpers import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
@@ -57,6 +57,44 @@ def test_changed_sources_change_the_server_key(tmp_path, monkeypatch):
     assert forkserver._state_key({"PATH": "/bin", "OMP_NUM_THREADS": "3"}) != key
     os.utime(module, ns=(0, module.stat().st_mtime_ns + 10**9))
     assert forkserver._state_key({"PATH": "/bin"}) != key
+
+
+def test_a_server_started_early_forks_the_next_launch(monkeypatch):
+    monkeypatch.delenv(forkserver.START_ENV, raising=False)
+    monkeypatch.setenv("FSDP_LAB_EARLY_SERVER_PROBE", "1")  # read at import: no earlier server fits
+    assert start_fork_server() is True
+    early = forkserver._SERVER
+    assert start_fork_server() is True and forkserver._SERVER is early  # a running one is kept
+    ranks = launch(_who, world_size=2)
+    assert {r["parent"] for r in ranks} == {early.process.pid}
+
+
+def test_an_early_server_replaced_while_loading_is_stopped_quietly(monkeypatch, capfd):
+    monkeypatch.delenv(forkserver.START_ENV, raising=False)
+    monkeypatch.setenv("FSDP_LAB_EARLY_SERVER_PROBE", "2")
+    start_fork_server()
+    loading = forkserver._SERVER
+    monkeypatch.setenv("FSDP_LAB_EARLY_SERVER_PROBE", "3")
+    (rank,) = launch(_who, world_size=1)
+    assert rank["parent"] != loading.process.pid and not alive(loading.process.pid)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_no_early_server_where_ranks_are_not_forked(monkeypatch):
+    monkeypatch.setenv(forkserver.START_ENV, "spawn")
+    before = forkserver._SERVER
+    assert start_fork_server() is False and forkserver._SERVER is before
+
+
+def test_importing_dynamo_after_the_server_started_keeps_it(monkeypatch):
+    import torch._dynamo  # noqa: F401  (it writes the inductor cache directory into os.environ)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env = {"PATH": "/bin"}
+    at_default = dict(env, TORCHINDUCTOR_CACHE_DIR=os.path.abspath(default_cache_dir()))
+    assert forkserver._state_key(at_default) == forkserver._state_key(env)
+    elsewhere = dict(env, TORCHINDUCTOR_CACHE_DIR="/somewhere/else")  # the user's own choice
+    assert forkserver._state_key(elsewhere) != forkserver._state_key(env)
 
 
 def test_spawn_setting_starts_each_rank_as_a_child_of_the_caller(monkeypatch):
