@@ -64,24 +64,28 @@ def start_rank(spec: dict, env: dict) -> "ForkedProcess":
         return _server_for(env).fork(spec, env)
 
 
-def start_server(env: dict) -> None:
+def start_server(env: dict, preload: tuple[str, ...] = ()) -> None:
     """Start the server ``start_rank`` would use for ``env`` now and return at once: it imports
-    torch in the background (seconds), and the first fork waits only for what is left of that.
-    Nothing happens when a server for ``env`` is already running. Raises OSError when the
-    server's process cannot be started; a server that starts and then fails is reported by the
-    first ``start_rank``."""
+    torch (and the modules in ``preload``) in the background, and the first fork waits only for
+    what is left of that. Nothing happens when a server for ``env`` that has imported
+    ``preload`` is already running. Raises OSError when the server's process cannot be started;
+    a server that starts and then fails is reported by the first ``start_rank``."""
     with _LOCK:
-        _server_for(env)
+        _server_for(env, preload)
 
 
-def _server_for(env: dict) -> "_Server":
-    """The running server for ``env``, started (replacing one for another state) if needed."""
+def _server_for(env: dict, preload: tuple[str, ...] = ()) -> "_Server":
+    """The running server for ``env`` that has imported ``preload``, started (replacing one for
+    another state, or one without those modules) if needed."""
     global _SERVER
     key = _state_key(env)
-    if _SERVER is None or _SERVER.key != key or not _SERVER.alive():
+    if (_SERVER is None or _SERVER.key != key or not _SERVER.alive()
+            or not set(preload) <= set(_SERVER.preload)):
         if _SERVER is not None:
+            if _SERVER.key == key and _SERVER.alive():  # only more modules asked for: keep its own
+                preload = tuple(dict.fromkeys((*_SERVER.preload, *preload)))
             _SERVER.close()
-        _SERVER = _Server(env, key)
+        _SERVER = _Server(env, key, preload)
     return _SERVER
 
 
@@ -127,14 +131,14 @@ class _Server:
     The process is started here; its "ready" is awaited by the first fork, so the imports it
     does first can overlap with the caller's own work."""
 
-    def __init__(self, env: dict, key: tuple):
-        self.key, self.exit_codes, self.ready = key, {}, False
+    def __init__(self, env: dict, key: tuple, preload: tuple[str, ...] = ()):
+        self.key, self.preload, self.exit_codes, self.ready = key, tuple(preload), {}, False
         self._lock = threading.Lock()
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", SERVER_MODULE, str(child_end.fileno())], env=env,
-                stdin=subprocess.DEVNULL, pass_fds=(child_end.fileno(),))
+                [sys.executable, "-m", SERVER_MODULE, str(child_end.fileno()), *self.preload],
+                env=env, stdin=subprocess.DEVNULL, pass_fds=(child_end.fileno(),))
         except BaseException:
             parent_end.close()
             raise

@@ -1,4 +1,5 @@
-"""The fork server's process: ``python -m fsdp_lab.forkserver_main FD`` (started by launch).
+"""The fork server's process: ``python -m fsdp_lab.forkserver_main FD [MODULE ...]`` (started
+by launch; MODULEs are the caller's extra preloads, ``fsdp_lab.start_fork_server(preload=...)``).
 
 Importing torch takes seconds; a rank forked from a process that has already imported it
 starts in milliseconds. This process imports what a rank needs (torch,
@@ -122,4 +123,7 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 if __name__ == "__main__":
     # Ctrl-C is the parent's to handle; forked ranks inherit this, as launch_rank would set it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    server_socket = socket.socket(fileno=int(sys.argv[1]))
+    for _module in sys.argv[2:]:
+        importlib.import_module(_module)
+    serve(server_socket)

@@ -160,19 +160,28 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
             slots.close()
 
 
-def start_fork_server(world_size: int = 2, backend: str = "auto") -> bool:
+def start_fork_server(world_size: int = 2, backend: str = "auto", preload: Iterable[str] = ()) -> bool:
     """Start now, in the background, what the first CPU launch would otherwise wait for: the
     fork server that imports torch once (a few seconds of one core) and forks every rank.
-    Returns at once: True if a server is starting or running, False where launches of
-    ``world_size`` ranks on ``backend`` would not fork (GPU ranks, not Linux,
-    ``FSDP_LAB_LAUNCH_START=spawn``). A later launch uses the server only while the
-    environment, working directory and fsdp_lab's sources are as they were here; otherwise it
-    starts a new one, as without this call. Raises ValueError for a bad ``backend`` or
-    ``FSDP_LAB_LAUNCH_START``, OSError if the server's process cannot be started."""
+    ``preload``: names of more modules the ranks will import (e.g. ``"transformers"``); the
+    server imports them once, so no rank imports them again, as ``multiprocessing``'s
+    ``set_forkserver_preload`` does (a module that starts threads at import should not be
+    named: ranks are forked after it). Returns at once: True if a server is starting or
+    running, False where launches of ``world_size`` ranks on ``backend`` would not fork (GPU
+    ranks, not Linux, ``FSDP_LAB_LAUNCH_START=spawn``). A later launch uses the server only
+    while the environment, working directory and fsdp_lab's sources are as they were here;
+    otherwise it starts a new one, as without this call. Raises ValueError for a bad
+    ``backend`` or ``FSDP_LAB_LAUNCH_START``, TypeError if ``preload`` is not names of
+    modules, OSError if the server's process cannot be started; a module in ``preload`` that
+    fails to import makes the next launch raise RuntimeError (its error printed above)."""
+    preload = (preload,) if isinstance(preload, str) else preload
+    preload = tuple(preload) if isinstance(preload, Iterable) else (preload,)
+    if not all(isinstance(name, str) and name for name in preload):
+        raise TypeError(f"preload must be module names such as 'transformers', got {preload!r}")
     backend = fdist.choose_backend(world_size, backend)
     if not _forks([fdist.device_for_rank(r, backend) for r in range(world_size)]):
         return False
-    forkserver.start_server(_rank_environment())
+    forkserver.start_server(_rank_environment(), preload)
     return True
 
 

@@ -80,6 +80,42 @@ def test_an_early_server_replaced_while_loading_is_stopped_quietly(monkeypatch, 
     assert "Traceback" not in capfd.readouterr().err
 
 
+def _imported(module):
+    import sys
+    return module in sys.modules
+
+
+def test_preloaded_modules_are_imported_before_a_rank_starts(monkeypatch):
+    monkeypatch.delenv(forkserver.START_ENV, raising=False)
+    monkeypatch.setenv("FSDP_LAB_EARLY_SERVER_PROBE", "4")
+    probe = "xml.dom.minidom"  # nothing a rank imports by itself
+    assert launch(_imported, probe, world_size=1) == [False]
+    plain = forkserver._SERVER
+    assert start_fork_server(preload=[probe]) is True
+    assert forkserver._SERVER is not plain and not alive(plain.process.pid)  # replaced: it lacked it
+    assert launch(_imported, probe, world_size=2) == [True, True]
+    start_fork_server(preload=["xml.sax"])  # more modules: the new server keeps the earlier ones
+    assert forkserver._SERVER.preload == (probe, "xml.sax")
+    assert launch(_imported, probe, world_size=1) == [True]
+
+
+def test_a_preload_that_cannot_be_imported_fails_the_next_launch(monkeypatch, capfd):
+    monkeypatch.delenv(forkserver.START_ENV, raising=False)
+    monkeypatch.setenv("FSDP_LAB_EARLY_SERVER_PROBE", "5")
+    start_fork_server(preload=["no_module_named_like_this"])
+    with pytest.raises(RuntimeError, match="fork server did not start"):
+        launch(_who, world_size=1)
+    assert "No module named 'no_module_named_like_this'" in capfd.readouterr().err
+    (rank,) = launch(_who, world_size=1)  # the next launch starts a server without it
+    assert rank["rank"] == 0
+
+
+@pytest.mark.parametrize("preload", [[""], [3], None])
+def test_preload_must_be_module_names(preload):
+    with pytest.raises(TypeError, match="preload must be module names"):
+        start_fork_server(preload=preload)
+
+
 def test_no_early_server_where_ranks_are_not_forked(monkeypatch):
     monkeypatch.setenv(forkserver.START_ENV, "spawn")
     before = forkserver._SERVER
