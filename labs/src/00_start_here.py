@@ -38,6 +38,7 @@ CELLS = [
     import matplotlib.pyplot as plt
     import ipywidgets as widgets
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab import collectives
     from fsdp_lab.dist import choose_backend
     from fsdp_lab.workshop import lab_files, lab00
@@ -66,9 +67,10 @@ CELLS = [
     `fsdp_lab.launch(fn, *args, world_size=N)` starts N fresh processes, initialises the default process
     group in each, runs `fn(*args)` on every rank and returns the results as a list indexed by rank.
     `fn` may be defined right here in the notebook: it is sent to the ranks by value. Only rank 0's prints
-    reach this notebook. On Linux, CPU ranks are forked from a helper process that imported torch once, at
-    this notebook's first launch (the slowest one), so later launches do not import it again; each rank is
-    still a new process, as the cell below shows.
+    reach this notebook. On Linux, CPU ranks are forked from a helper process that imports torch once: the
+    first cell started it (`fsdp_lab.start_fork_server()`), so it loaded torch while you read, and no launch
+    imports torch again (without that call, the first launch starts it and waits seconds for it). Each rank
+    is still a new process, as the cell below shows.
     """),
     code("""
     def whoami(greeting):

@@ -27,6 +27,7 @@ CELLS = [
     import matplotlib.pyplot as plt
     import ipywidgets as widgets
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab import bandwidth, collectives
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_collective, plot_timeline

@@ -30,6 +30,7 @@ CELLS = [
     import torch
     import matplotlib.pyplot as plt
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab.memory import MemoryTracker, estimate, measure_step, merge_ranks, CATEGORIES
     from fsdp_lab.memory.estimate import activation_bytes, deepspeed_model_states
     from fsdp_lab.memory.results import format_rows

@@ -29,6 +29,7 @@ CELLS = [
     import torch
     import matplotlib.pyplot as plt
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab.fsdp1 import (FullyShardedDataParallel as FSDP, ModuleWrapPolicy, MixedPrecision,
                                 ShardingStrategy, shard_boundaries, size_based_auto_wrap_policy)
     from fsdp_lab.memory.buffer_peak import GradBufferPeak

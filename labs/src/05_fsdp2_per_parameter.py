@@ -30,6 +30,7 @@ CELLS = [
     import matplotlib.pyplot as plt
     import ipywidgets as widgets
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab import collectives
     from fsdp_lab.fsdp2 import fully_shard
     from fsdp_lab.memory.tracker import MemoryTracker

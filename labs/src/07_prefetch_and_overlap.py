@@ -30,6 +30,7 @@ CELLS = [
     import ipywidgets as widgets
     import torch
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab.compare import compare
     from fsdp_lab.models.llama import Llama
     from fsdp_lab.viz import plot_phase_breakdown, plot_timeline

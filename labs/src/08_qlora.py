@@ -33,6 +33,7 @@ CELLS = [
     import ipywidgets as widgets
     from torch.utils._python_dispatch import TorchDispatchMode
     import fsdp_lab
+    fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab.workshop import lab_files, lab08
     from fsdp_lab.qlora import NF4_CODEBOOK, NF4Tensor, LoRALinear, apply_lora, build_nf4_codebook, to_nf4
     from fsdp_lab.qlora.nf4 import (nf4_bits_per_param, nf4_storage_bytes, pack_nibbles, quantize_nf4_blocks,

@@ -31,6 +31,7 @@ CELLS = [
     import ipywidgets as widgets
     import transformers, peft
     import fsdp_lab
+    fsdp_lab.start_fork_server(preload=["transformers", "peft"])   # ranks fork from it with these imported
     from fsdp_lab import hf
     from fsdp_lab.fsdp2 import fully_shard
     from fsdp_lab.memory.tracker import MemoryTracker
