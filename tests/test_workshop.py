@@ -154,6 +154,16 @@ def test_at_least_three_quarters_of_code_cells_are_compared(lab):
         assert len(ignored) <= len(cells) / 4, f"{path.name}: {len(ignored)} of {len(cells)} ignored"
 
 
+@pytest.mark.parametrize("notebook", sorted(LABS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_the_first_cell_starts_the_fork_server_after_importing_fsdp_lab(notebook):
+    """docs/workshop.md: the server that forks the ranks loads torch while the first cells run."""
+    first = next(c for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code")
+    lines = "".join(first["source"]).splitlines()
+    assert "import fsdp_lab" in lines, f"{notebook.name}: the first cell does not import fsdp_lab"
+    assert lines[lines.index("import fsdp_lab") + 1].startswith("fsdp_lab.start_fork_server("), (
+        f"{notebook.name}: call fsdp_lab.start_fork_server() right after `import fsdp_lab`")
+
+
 # ----------------------------------------------------------------------------- verdicts
 
 
