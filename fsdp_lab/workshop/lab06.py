@@ -11,8 +11,9 @@
 
 The lab's figures, tables and the explorer's figure are drawn here too (``draw_gradient_life``,
 ``print_policy_memory``, ``plot_policies``, ``print_policy_ratios``, ``print_policy_losses``,
-``print_optim_mode_bug``, ``plot_optim_mode_bug``, ``draw_policy_run``);
-the notebook keeps the training runs and the policies they draw.
+``print_optim_mode_bug``, ``plot_optim_mode_bug``, ``draw_policy_run``). The training loop of
+section 4 and of the explorer, and its measurement, run here as well (``train_and_measure``); the
+notebook keeps the policies, the sharded models they train and the other runs.
 """
 
 from __future__ import annotations
@@ -230,6 +231,70 @@ def check_unscale_and_check(unscale_and_check):
                    f"divided by {SCALE:.0f}. One all-reduce of one element per step keeps the ranks agreeing")
 
 
+# ----------------------------------------------------------------------------- the lab's training runs
+
+def train_and_measure(model, vocab_size: int, steps: int, batch: int, seq: int, micro: int,
+                      loss_scaling: bool = False) -> dict:
+    """Train ``model`` (already sharded with its mixed-precision policy) with AdamW (lr 3e-3, eps
+    1e-4) for ``steps`` steps on this rank's shard of each global batch of ``batch`` sequences of
+    ``seq`` tokens (``fsdp_lab.models.data.global_batch`` at that step's seed, ``vocab_size``
+    token ids), in ``micro`` microbatches whose gradients sync on the last one only; with
+    ``loss_scaling`` (a float16 policy) under ``ShardedLossScaler``. The second step (the first
+    with AdamW's state) is measured on this rank with ``MemoryTracker`` and ``Timeline``.
+
+    Call it on every rank of a launch: each step's loss is all-reduced. Returns a dict:
+    "losses" (the loss of each step, mean over ranks), "memory" ({category: bytes} at the peak
+    of the measured step), "highest" ({category: the highest bytes it reached in that step}),
+    "wire" ({collective: bytes in that step, nccl-tests' size: all-gather output, reduce-scatter
+    input}), "skipped" (steps loss scaling skipped; 0 without it) and "scale" (the final loss
+    scale; None without it). Categories and collectives at 0 bytes are left out. Raises
+    ValueError if ``steps`` < 2 (nothing would be measured).
+    """
+    import contextlib
+
+    import torch.distributed as dist
+
+    from fsdp_lab.grad_scaler import ShardedLossScaler
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch, shard_batch
+    from fsdp_lab.timeline import Timeline
+
+    if steps < 2:
+        raise ValueError(f"steps={steps}: the second step is the one measured, train at least 2")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4)
+    scaler = ShardedLossScaler() if loss_scaling else None   # float16 needs loss scaling; bf16 does not
+    losses = []
+    for step in range(steps):
+        data = shard_batch(global_batch(vocab_size, batch, seq, step=step), rank, world)
+        measured = step == 1
+        with (MemoryTracker(model, opt) if measured else contextlib.nullcontext()) as mt, \
+                (Timeline() if measured else contextlib.nullcontext()) as tl:
+            loss = torch.zeros(())
+            for i, chunk in enumerate(data.chunk(micro)):
+                model.set_requires_gradient_sync(i == micro - 1)
+                micro_loss = model(chunk.input_ids, chunk.labels).loss / micro
+                (micro_loss if scaler is None else scaler.scale(micro_loss)).backward()
+                loss += micro_loss.detach().float()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        if measured:
+            memory = {k: v for k, v in mt.peak().items() if v}              # all categories at one instant
+            highest = {k: v for k, v in mt.max_by_category().items() if v}  # each category's own maximum
+            wire = {}
+            for e in tl.comm_events(rank):
+                wire[e.name] = wire.get(e.name, 0) + e.bytes
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+    return {"losses": losses, "memory": memory, "highest": highest, "wire": wire,
+            "skipped": 0 if scaler is None else scaler.skipped,
+            "scale": None if scaler is None else scaler.get_scale()}
+
+
 # ----------------------------------------------------------------------------- the lab's figures and tables
 # matplotlib and ipywidgets are imported inside these functions: the checkers' ranks import this
 # module and need neither.
@@ -381,7 +446,7 @@ def print_optim_mode_bug(bug: dict) -> None:
 def draw_policy_run(run: dict):
     """(Figure, text) of one policy's run: its loss curve and its memory at rank 0's peak (KiB);
     the text gives the bytes per collective per step, the first and last loss, and, under loss
-    scaling, the final scale and the steps skipped. ``run``: the dict the lab's ``train_policy``
+    scaling, the final scale and the steps skipped. ``run``: the dict ``train_and_measure``
     returns ("losses", "memory", "wire", "scale", "skipped"). Raises KeyError if one is missing,
     ValueError (from ``plot_breakdown``) for an unknown memory category."""
     import matplotlib.pyplot as plt

@@ -13,7 +13,8 @@ An agreement that calls ``torch.distributed`` directly is judged on its values a
 Timeline records only ``fsdp_lab.collectives``, so its collectives cannot be counted.
 
 The lab's tables and figures are drawn by the helpers at the end of this module; the notebook
-computes what they show.
+computes what they show, with ``step_peak`` (the peak bytes of one training step on one process)
+measuring for section 4's table and the checklist.
 """
 
 from __future__ import annotations
@@ -139,6 +140,57 @@ def check_next_microbatch(next_microbatch):
     return correct(f"{len(cases)} cases (batch sizes 1-{max(b for b, _, _ in cases)}, every failed size, "
                    f"min_size 1-3) agree with AutoMicrobatch's rule: every microbatch divides the batch, "
                    "so each step still sums the same samples with the same weights")
+
+
+# ----------------------------------------------------------------------------- the lab's measurements
+
+def step_peak(batch: int, n_layers: int, seq: int, microbatch: int, checkpoint: bool = False,
+              lora: str | None = None, first_step: bool = False) -> tuple[int, dict]:
+    """Peak memory of one AdamW training step (lr 1e-3) on one process, in bytes: the "cpu"
+    Llama of ``n_layers`` layers (seed 0), ``batch`` sequences of ``seq`` tokens
+    (``global_batch`` at step 1; at step 0 with ``first_step``) run ``microbatch`` sequences at a
+    time, each microbatch's loss weighted by its share of the batch. ``checkpoint`` applies
+    activation checkpointing; ``lora`` applies rank-8 LoRA adapters ("lora") or adapters on an NF4
+    base ("qlora"), and the optimizer takes the trainable parameters only.
+
+    Without ``first_step`` one step (step 0) runs first, creating AdamW's state, and the next is
+    measured: the step that repeats for the rest of training. Returns ``(peak_total, peak)``:
+    ``MemoryTracker.peak_total()`` and ``MemoryTracker.peak()`` ({category: bytes at that peak}).
+    Raises ValueError if ``microbatch`` does not divide ``batch`` or ``lora`` is not None,
+    "lora" or "qlora".
+    """
+    import torch
+
+    from fsdp_lab.automicrobatch import split_batch
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
+
+    if microbatch < 1 or batch % microbatch:
+        raise ValueError(f"microbatch {microbatch} does not divide the batch {batch}")
+    if lora not in (None, "lora", "qlora"):
+        raise ValueError(f"lora={lora!r}: None, 'lora' or 'qlora'")
+    config = LlamaConfig.from_name("cpu", n_layers=n_layers)
+    model = Llama(config, seed=0)
+    if checkpoint:
+        apply_activation_checkpointing(model)
+    if lora is not None:
+        from fsdp_lab.qlora.lora import apply_lora
+        apply_lora(model, rank=8, quantize_base=lora == "qlora")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def train_step(step):
+        data = global_batch(config.vocab_size, batch, seq, step=step)
+        for begin in range(0, batch, microbatch):
+            (model(split_batch(data, begin, begin + microbatch)).loss * (microbatch / batch)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if not first_step:
+        train_step(0)  # creates AdamW's state
+    with MemoryTracker(model, opt) as tracker:
+        train_step(0 if first_step else 1)
+    return tracker.peak_total(), tracker.peak()
 
 
 # ----------------------------------------------------------------------------- the lab's figures and tables

@@ -26,7 +26,7 @@ CELLS = [
     """),
     code("""
     %matplotlib inline
-    import contextlib, dataclasses, math, os
+    import dataclasses, math, os
     import torch
     import torch.distributed as dist
     import matplotlib.pyplot as plt
@@ -35,8 +35,6 @@ CELLS = [
     fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab import collectives
     from fsdp_lab.fsdp2 import fully_shard
-    from fsdp_lab.grad_scaler import ShardedLossScaler
-    from fsdp_lab.memory.tracker import MemoryTracker
     from fsdp_lab.models.data import global_batch, shard_batch
     from fsdp_lab.models.llama import Llama, LlamaConfig
     from fsdp_lab.precision import MixedPrecisionPolicy, accumulation_dtype, grad_comm_dtype, main_params_dtype
@@ -220,40 +218,12 @@ CELLS = [
     STEPS, BATCH, SEQ, MICRO = 50, 6, 16, 3
 
     def train_policy(fields, steps=STEPS, bf16_model=False):
-        rank, world = dist.get_rank(), dist.get_world_size()
         model = Llama(CONFIG, seed=0)
         model = shard_model(model.to(BF16) if bf16_model else model, MixedPrecisionPolicy(**fields))
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4)
-        fp16 = FP16 in fields.values()
-        scaler = ShardedLossScaler() if fp16 else None      # float16 needs loss scaling; bf16 does not
-        losses = []
-        for step in range(steps):
-            batch = shard_batch(global_batch(CONFIG.vocab_size, BATCH, SEQ, step=step), rank, world)
-            measured = step == 1
-            with (MemoryTracker(model, opt) if measured else contextlib.nullcontext()) as mt, \\
-                    (Timeline() if measured else contextlib.nullcontext()) as tl:
-                loss = torch.zeros(())
-                for i, micro in enumerate(batch.chunk(MICRO)):
-                    model.set_requires_gradient_sync(i == MICRO - 1)
-                    micro_loss = model(micro.input_ids, micro.labels).loss / MICRO
-                    (scaler.scale(micro_loss) if fp16 else micro_loss).backward()
-                    loss += micro_loss.detach().float()
-                if fp16:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad()
-            if measured:
-                memory = {k: v for k, v in mt.peak().items() if v}          # all categories at one instant
-                highest = {k: v for k, v in mt.max_by_category().items() if v}  # each category's own maximum
-                wire = {}
-                for e in tl.comm_events(rank):
-                    wire[e.name] = wire.get(e.name, 0) + e.bytes
-            dist.all_reduce(loss)
-            losses.append(loss.item() / world)
-        return {"losses": losses, "memory": memory, "highest": highest, "wire": wire,
-                "skipped": scaler.skipped if fp16 else 0, "scale": scaler.get_scale() if fp16 else None}
+        # AdamW, `steps` steps of BATCH sequences of SEQ tokens (over all ranks) in MICRO microbatches, gradients
+        # synced on the last; float16 under ShardedLossScaler; the second step measured on each rank
+        return lab06.train_and_measure(model, CONFIG.vocab_size, steps, BATCH, SEQ, MICRO,
+                                       loss_scaling=FP16 in fields.values())
 
     def all_policies():
         return {name: train_policy(fields) for name, fields in POLICIES.items()}

@@ -23,7 +23,7 @@ CELLS = [
     """),
     code("""
     %matplotlib inline
-    import os, time
+    import functools, os, time
     from contextlib import nullcontext
     import torch
     import matplotlib.pyplot as plt
@@ -31,11 +31,11 @@ CELLS = [
     import fsdp_lab
     fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab import collectives
-    from fsdp_lab.automicrobatch import AutoMicrobatch, split_batch
+    from fsdp_lab.automicrobatch import AutoMicrobatch
     from fsdp_lab.oom import memory_budget, inject_oom
     from fsdp_lab.memory.tracker import MemoryTracker
     from fsdp_lab.models.data import global_batch, shard_batch
-    from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
+    from fsdp_lab.models.llama import Llama, LlamaConfig
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab09, lab_files
@@ -219,29 +219,8 @@ CELLS = [
     next one, the step that repeats for the rest of training.
     """),
     code("""
-    def step_peak(n_layers, seq, microbatch, checkpoint=False, lora=None, first_step=False):
-        # peak bytes (total, by category) of the second training step; of the first with first_step=True
-        model = Llama(LlamaConfig.from_name("cpu", n_layers=n_layers), seed=0)
-        if checkpoint:
-            apply_activation_checkpointing(model)
-        if lora is not None:
-            from fsdp_lab.qlora.lora import apply_lora
-            apply_lora(model, rank=8, quantize_base=lora == "qlora")
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-
-        def train_step(step):
-            batch = global_batch(CONFIG.vocab_size, B, seq, step=step)
-            for begin in range(0, B, microbatch):
-                (model(split_batch(batch, begin, begin + microbatch)).loss * (microbatch / B)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        if not first_step:
-            train_step(0)  # creates AdamW's state
-        with MemoryTracker(model, opt) as tracker:
-            train_step(0 if first_step else 1)
-        return tracker.peak_total(), tracker.peak()
-
+    # step_peak(n_layers, seq, microbatch, ...): (peak bytes, {category: bytes at the peak}) of a step after the first
+    step_peak = functools.partial(lab09.step_peak, B)
     GRID = {(n, s, m): step_peak(n, s, m)[0] for n in (2, 4) for s in (32, 64, 128) for m in (1, 2, 4, 8)}
     lab09.print_step_peaks(GRID, B)
     first_total, first = step_peak(2, 32, 8, first_step=True)
