@@ -185,6 +185,23 @@ def test_cuda_allocator_stats():
     assert mt.current()["grads"] == (64 * 128 + 128 * 32) * F32
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile's
+def test_a_compiled_function_under_the_tracker_runs_through_it():
+    """A ``torch.compile``d function called while tracking gives eager's values, and the tracker
+    still sees each of its ops' outputs (relu's, then the product's)."""
+    def relu_twice(x):
+        return torch.relu(x) * 2
+
+    compiled = torch.compile(relu_twice)
+    x = torch.randn(256)
+    with MemoryTracker() as mt:
+        out = compiled(x)
+    assert torch.equal(out, relu_twice(x))
+    # relu's output (256 floats) dies after the multiplication made the output (256 floats)
+    assert mt.peak()["temporaries"] == 2 * 256 * F32
+    assert mt.current()["temporaries"] == 256 * F32
+
+
 def test_tracking_does_not_change_gradients():
     """Saved tensors pass through the tracker's hooks: backward must give the same gradients."""
     from fsdp_lab.models.data import global_batch
@@ -293,3 +310,37 @@ def test_tracker_counts_only_the_tracked_models_storages():
     for rank, (first, again) in enumerate(launch(_rank_owned_storages_only, names, world_size=2, timeout=300)):
         for name in names:
             assert again[name] == first[name], f"rank {rank}, {name}: {again[name]} != {first[name]}"
+
+
+@pytest.mark.parametrize("batch_size, seq_len", [(4, 64), (1, 4)], ids=["activations-bound", "optimizer-bound"])
+def test_peak_matches_pytorchs_own_mem_tracker(batch_size, seq_len):
+    """PyTorch's MemTracker (torch.distributed._tools) is an independent implementation: the peak
+    of the same training step is the same number of bytes, and so are its parameters and
+    gradients. Their other categories are drawn differently: PyTorch's "activations" are whatever
+    forward allocates (ours: what autograd saved) and its "optimizer states" include what AdamW's
+    step allocates (ours: temporaries), so only their sum agrees (it follows from the two totals)."""
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    model = Llama("cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    batch = global_batch(model.config.vocab_size, batch_size, seq_len)
+
+    def step():
+        model(batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer state exists from here on, as in every later step
+    reference = mem_tracker.MemTracker()
+    reference.track_external(model, opt, batch.input_ids, batch.labels)  # we count the batch too
+    with reference:
+        step()
+    theirs = {getattr(k, "name", k): v for k, v in reference.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
+    with MemoryTracker(model, opt) as tracker:
+        step()
+    ours = tracker.peak()
+    assert tracker.peak_total() == theirs["Total"]
+    assert ours["params"] == theirs["PARAM"] and ours["grads"] == theirs["GRAD"]
+    assert ours["optimizer_state"] <= theirs["OPT"]
