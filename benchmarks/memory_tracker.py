@@ -12,7 +12,9 @@ CPU activity, no shapes or stacks) is the other way to see every allocation: in 
 Python per op, but recording an event per op and per allocation; its cost is shown beside ours,
 and so is the same profiler recording allocations only (record functions limited to the user
 scope, so no op events): what seeing allocations from C++ costs at the least, through any
-instrument PyTorch ships. The ops of one step are counted, and each instrument's cost per op
+instrument PyTorch ships. PyTorch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``,
+also a ``TorchDispatchMode``) runs the same step too: its cost beside ours, and its peak beside
+ours (the same bytes: tests/test_memory_tracker.py checks it). The ops of one step are counted, and each instrument's cost per op
 printed: a per-op instrument costs a fixed time per op, so its ratio falls as ops grow (bigger
 batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -135,16 +138,28 @@ def main() -> dict:
         elif kind == "allocations_only":
             with allocations_only:
                 step()
+        elif kind == "torch_mem_tracker":
+            reference = torch_mem_tracker()
+            reference.track_external(model, optimizer, batch.input_ids, batch.labels)
+            with reference:
+                step()
+            last["reference"] = reference
         else:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         return clock() - start
 
+    load_before = os.getloadavg()[0]
     allocations_only = _AllocationsOnly()
     kinds = ("plain", "dispatch_floor", "profiler_memory", "tracked")
     if allocations_only.available:
         kinds = kinds[:3] + ("allocations_only",) + kinds[3:]
+    try:  # private module: absent on some torch versions
+        from torch.distributed._tools.mem_tracker import MemTracker as torch_mem_tracker
+        kinds += ("torch_mem_tracker",)
+    except ImportError:
+        torch_mem_tracker = None
     for _ in range(2):  # warm up every path
         for kind in kinds:
             timed(kind)
@@ -160,6 +175,7 @@ def main() -> dict:
     result = {
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+        "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "load_average_1min": load_before,
         "config": args.config, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
         "plain_step_s": median["plain"], "dispatch_floor_step_s": median["dispatch_floor"],
         "tracked_step_s": median["tracked"], "profiler_memory_step_s": median["profiler_memory"],
@@ -171,6 +187,10 @@ def main() -> dict:
         result["allocations_only_step_s"] = median["allocations_only"]
         result["allocations_only_ratio"] = median["allocations_only"] / median["plain"]
         result["allocations_per_step"] = allocations_only.allocations
+    if torch_mem_tracker is not None:
+        result["torch_mem_tracker_step_s"] = median["torch_mem_tracker"]
+        result["torch_mem_tracker_ratio"] = median["torch_mem_tracker"] / median["plain"]
+        result["torch_mem_tracker_us_added_per_op"] = per_op_us["torch_mem_tracker"]
     # the instrument's cost grows with the number of ops, the step's time with their size: a
     # step whose ops take on average this long (s) is within the 1.10 target
     result.update(ops_per_step=ops, plain_us_per_op=1e6 * median["plain"] / ops,
@@ -182,6 +202,7 @@ def main() -> dict:
     print(f"ratio tracked/plain: {result['ratio']:.2f}  (target <= 1.10; a do-nothing dispatch mode alone: "
           f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f}"
           + (f", allocations only: {result['allocations_only_ratio']:.2f}" if allocations_only.available else "")
+          + (f"; PyTorch's MemTracker: {result['torch_mem_tracker_ratio']:.2f}" if torch_mem_tracker else "")
           + ")")
     print(f"{ops} ops per step, {result['plain_us_per_op']:.1f} us each on average; the tracker adds "
           f"{per_op_us['tracked']:.1f} us per op (a do-nothing dispatch mode {per_op_us['dispatch_floor']:.1f} us), "
@@ -199,6 +220,12 @@ def main() -> dict:
     if measured.cuda:
         print(f"{'cuda max_allocated':<18}{'':>14}{measured.cuda['max_allocated']:>14,}   allocator/estimate "
               f"{measured.cuda['max_allocated'] / est.total:.3f}")
+    if "reference" in last:
+        snapshot = last["reference"].get_tracker_snapshot("peak")
+        reference_total = next(stats["Total"] for dev, stats in snapshot.items() if dev.type == device.type)
+        result["torch_mem_tracker_total"] = reference_total
+        print(f"{'PyTorch MemTracker':<18}{'':>14}{reference_total:>14,}   tracked/PyTorch's "
+              f"{measured.peak_total / reference_total:.3f}")
     result.update(estimate_peak=est.bytes, estimate_total=est.total, tracked_peak=measured.peak,
                   tracked_total=measured.peak_total, cuda=measured.cuda)
     RESULTS.mkdir(exist_ok=True)
