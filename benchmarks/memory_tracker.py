@@ -2,6 +2,7 @@
 
     python benchmarks/memory_tracker.py
     PYTHONPATH=. python benchmarks/memory_tracker.py --batch-size 8 --seq-len 128 --steps 10
+    python benchmarks/memory_tracker.py --no-allocation-hook   # without building the C++ hook
 
 Steps alternate (plain, do-nothing dispatch mode, PyTorch's profiler recording allocations,
 tracked, plain ...) in one process so all see the same machine load; the median step time of
@@ -14,7 +15,11 @@ and so is the same profiler recording allocations only (record functions limited
 scope, so no op events): what seeing allocations from C++ costs at the least, through any
 instrument PyTorch ships. PyTorch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``,
 also a ``TorchDispatchMode``) runs the same step too: its cost beside ours, and its peak beside
-ours (the same bytes: tests/test_memory_tracker.py checks it). The ops of one step are counted, and each instrument's cost per op
+ours (the same bytes: tests/test_memory_tracker.py checks it). And the route that would meet the
+target: ``allocation_hook.py`` logs the allocators' reports in C++ (built here at first use;
+skipped, with the reason, without a C++ compiler) with saved tensors stamped from Python, and
+replays the stream after the step; its peak above the start is printed beside the tracker's.
+The ops of one step are counted, and each instrument's cost per op
 printed: a per-op instrument costs a fixed time per op, so its ratio falls as ops grow (bigger
 batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
@@ -38,6 +43,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from allocation_hook import AllocationHook  # benchmarks/allocation_hook.py
 from fsdp_lab.dist import current_device
 from fsdp_lab.memory.estimate import estimate
 from fsdp_lab.memory.tracker import MemoryTracker
@@ -102,6 +108,8 @@ def main() -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--no-allocation-hook", dest="allocation_hook", action="store_false",
+                        help="skip building and timing benchmarks/allocation_hook.cpp")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/memory_tracker_<cpu|cuda>.json)")
     args = parser.parse_args()
@@ -138,6 +146,10 @@ def main() -> dict:
         elif kind == "allocations_only":
             with allocations_only:
                 step()
+        elif kind == "allocation_hook":
+            with AllocationHook() as hook:
+                step()
+            last["hook"] = hook
         elif kind == "torch_mem_tracker":
             reference = torch_mem_tracker()
             reference.track_external(model, optimizer, batch.input_ids, batch.labels)
@@ -155,6 +167,11 @@ def main() -> dict:
     kinds = ("plain", "dispatch_floor", "profiler_memory", "tracked")
     if allocations_only.available:
         kinds = kinds[:3] + ("allocations_only",) + kinds[3:]
+    hook_missing = AllocationHook.build() if args.allocation_hook else "--no-allocation-hook"
+    if hook_missing is None:
+        kinds += ("allocation_hook",)
+    else:
+        print(f"allocation hook not measured: {hook_missing}")
     try:  # private module: absent on some torch versions
         from torch.distributed._tools.mem_tracker import MemTracker as torch_mem_tracker
         kinds += ("torch_mem_tracker",)
@@ -187,6 +204,12 @@ def main() -> dict:
         result["allocations_only_step_s"] = median["allocations_only"]
         result["allocations_only_ratio"] = median["allocations_only"] / median["plain"]
         result["allocations_per_step"] = allocations_only.allocations
+    if hook_missing is None:
+        result["allocation_hook_step_s"] = median["allocation_hook"]
+        result["allocation_hook_ratio"] = median["allocation_hook"] / median["plain"]
+        result["allocation_hook_events_per_step"] = last["hook"].events
+    else:
+        result["allocation_hook_missing"] = hook_missing
     if torch_mem_tracker is not None:
         result["torch_mem_tracker_step_s"] = median["torch_mem_tracker"]
         result["torch_mem_tracker_ratio"] = median["torch_mem_tracker"] / median["plain"]
@@ -203,6 +226,7 @@ def main() -> dict:
           f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f}"
           + (f", allocations only: {result['allocations_only_ratio']:.2f}" if allocations_only.available else "")
           + (f"; PyTorch's MemTracker: {result['torch_mem_tracker_ratio']:.2f}" if torch_mem_tracker else "")
+          + (f"; an allocation hook in C++: {result['allocation_hook_ratio']:.2f}" if hook_missing is None else "")
           + ")")
     print(f"{ops} ops per step, {result['plain_us_per_op']:.1f} us each on average; the tracker adds "
           f"{per_op_us['tracked']:.1f} us per op (a do-nothing dispatch mode {per_op_us['dispatch_floor']:.1f} us), "
@@ -226,6 +250,14 @@ def main() -> dict:
         result["torch_mem_tracker_total"] = reference_total
         print(f"{'PyTorch MemTracker':<18}{'':>14}{reference_total:>14,}   tracked/PyTorch's "
               f"{measured.peak_total / reference_total:.3f}")
+    if "hook" in last:  # the stream's peak above the start, beside the tracker's
+        tracked_start = sum(measured.timeline[0][1].values())
+        result.update(allocation_hook_peak_above_start=last["hook"].peak,
+                      allocation_hook_saved_at_peak=last["hook"].saved_at_peak,
+                      tracked_peak_above_start=measured.peak_total - tracked_start)
+        print(f"{'above the start':<18}{'':>14}{measured.peak_total - tracked_start:>14,}   "
+              f"allocation hook {last['hook'].peak:,} (saved by autograd then: {last['hook'].saved_at_peak:,}; "
+              f"tracked activations {measured.peak['activations']:,})")
     result.update(estimate_peak=est.bytes, estimate_total=est.total, tracked_peak=measured.peak,
                   tracked_total=measured.peak_total, cuda=measured.cuda)
     RESULTS.mkdir(exist_ok=True)
