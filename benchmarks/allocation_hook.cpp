@@ -13,10 +13,13 @@
 namespace {
 
 struct AllocationLog : public c10::MemoryReportingInfoBase {
+  explicit AllocationLog(c10::DeviceType device_type) : device_type(device_type) {}
+  const c10::DeviceType device_type;  // others' allocations are left out (host scalars of a GPU step)
   std::mutex mutex;
   std::vector<int64_t> addresses, deltas;  // deltas in bytes: + allocated, - freed
 
-  void reportMemoryUsage(void* ptr, int64_t alloc_size, size_t, size_t, c10::Device) override {
+  void reportMemoryUsage(void* ptr, int64_t alloc_size, size_t, size_t, c10::Device device) override {
+    if (device.type() != device_type) return;
     std::lock_guard<std::mutex> guard(mutex);
     addresses.push_back(reinterpret_cast<int64_t>(ptr));
     deltas.push_back(alloc_size);
@@ -26,9 +29,9 @@ struct AllocationLog : public c10::MemoryReportingInfoBase {
 
 std::shared_ptr<AllocationLog> active;
 
-void start() {
+void start(const std::string& device) {
   TORCH_CHECK(!active, "allocation log already started");
-  active = std::make_shared<AllocationLog>();
+  active = std::make_shared<AllocationLog>(c10::Device(device).type());
   c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, active);
 }
 

@@ -1,6 +1,6 @@
 """What a memory tracker fed by the allocator would cost: the allocation stream seen from C++.
 
-    with AllocationHook() as hook:      # AllocationHook.build() first; None without a compiler
+    with AllocationHook("cpu") as hook:   # AllocationHook.build() first: None, or why it failed
         step()
     hook.peak, hook.saved_at_peak       # bytes above the start
 
@@ -37,9 +37,13 @@ class _Stamped:
 
 
 class AllocationHook:
-    """Logs one step's allocations in C++ and replays them after it (sizes in bytes)."""
+    """Logs one step's allocations on ``device`` ("cpu", "cuda") in C++ and replays them after it
+    (sizes in bytes)."""
 
     _extension = None
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
 
     @classmethod
     def build(cls) -> str | None:
@@ -70,7 +74,7 @@ class AllocationHook:
 
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         self._hooks.__enter__()
-        log.start()
+        log.start(self.device)
         return self
 
     def __exit__(self, *exc):

@@ -147,7 +147,7 @@ def main() -> dict:
             with allocations_only:
                 step()
         elif kind == "allocation_hook":
-            with AllocationHook() as hook:
+            with AllocationHook(device.type) as hook:
                 step()
             last["hook"] = hook
         elif kind == "torch_mem_tracker":
