@@ -3,11 +3,12 @@
 A fresh interpreter spends seconds importing torch before a rank runs a line of the user's
 code; on a small machine that is most of a short launch, and a lab launches many times. So
 :func:`fsdp_lab.launch` asks one fork server per calling process (``fsdp_lab.forkserver_main``,
-started at the first launch, or earlier by :func:`start_server`) to fork each rank. A forked rank is the fresh interpreter it
-replaces, with torch already imported: it gets the caller's environment as it is at the launch;
-the server was started in the caller's working directory, with this fsdp_lab's sources and the
-environment variables read while torch loads as they are now, and a new one replaces it when
-any of those has changed; it never touches a device or starts a thread before forking.
+started at the first launch, or earlier by :func:`start_server`) to fork each rank. A forked
+rank is the fresh interpreter it replaces, with torch already imported: it gets the caller's
+environment as it is at the launch; the server was started in the caller's working directory,
+with this fsdp_lab's sources and the environment variables read while torch loads as they are
+now, and a new one replaces it when any of those has changed; it never touches a device or
+starts a thread before forking.
 
 :class:`ForkedProcess` stands in for ``subprocess.Popen`` in launch (``pid``, ``poll``,
 ``wait``, ``terminate``, ``kill``, ``returncode``): the server reaps each rank and reports its
