@@ -59,6 +59,9 @@ class AllocationHook:
 
     def __enter__(self):
         log = self._extension
+        if log is None:
+            raise RuntimeError("AllocationHook: the extension is not built; call AllocationHook.build() "
+                               "first (it returns why, where it cannot be built)")
         saves, releases = [], []
         self._saves, self._releases = saves, releases
 
