@@ -81,3 +81,13 @@ def artifacts() -> pathlib.Path:
     path = ARTIFACTS / "screenshots"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def lab_tab(chromium, lab_server):
+    """The page the labs are opened in, one after another (``lab_page.LabTab``)."""
+    from lab_page import LabTab
+
+    tab = LabTab(chromium)
+    yield tab
+    tab.discard()

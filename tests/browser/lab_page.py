@@ -138,6 +138,10 @@ def open_notebook(page, url: str, kernel_idle, timeout_s: float = 90.0) -> None:
     says "idle" before the kernel exists, and Run All would then ask which kernel to start.
     """
     page.goto(url, timeout=timeout_s * 1000)
+    _wait_until_ready(page, kernel_idle, timeout_s)
+
+
+def _wait_until_ready(page, kernel_idle, timeout_s: float) -> None:
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=timeout_s * 1000)
     deadline = time.monotonic() + timeout_s
     while not kernel_idle():
@@ -145,6 +149,50 @@ def open_notebook(page, url: str, kernel_idle, timeout_s: float = 90.0) -> None:
             raise LabPageError(f"the notebook's kernel did not start within {timeout_s:.0f} s")
         page.wait_for_timeout(200)  # the server has no push for this; ask again shortly
     page.wait_for_function(f"() => ({_KERNEL_STATUS_JS})() === 'idle'", timeout=timeout_s * 1000)
+
+
+# Close every open document (marked saved first: the runs are in a throwaway copy, and an unsaved
+# notebook would ask) and open ``path`` in the notebook editor, as File > Open does.
+_OPEN_IN_APP_JS = """async (path) => {
+  const app = window.jupyterapp;
+  for (const w of Array.from(app.shell.widgets('main'))) { if (w.context) w.context.model.dirty = false; }
+  await app.commands.execute('application:close-all');
+  await app.commands.execute('docmanager:open', {path, factory: 'Notebook'});
+}"""
+
+
+def open_in_app(page, path: str, kernel_idle, timeout_s: float = 90.0) -> None:
+    """In a page where JupyterLab already runs (started with ``expose_app_in_browser``), close
+    what is open and open the notebook ``path`` (relative to the server's root); then wait as
+    ``open_notebook`` does. Raises LabPageError when the page has no JupyterLab app to ask."""
+    if not page.evaluate("() => Boolean(window.jupyterapp)"):
+        raise LabPageError("window.jupyterapp is missing: start JupyterLab with "
+                           "--LabApp.expose_app_in_browser=True")
+    page.evaluate(_OPEN_IN_APP_JS, path)
+    _wait_until_ready(page, kernel_idle, timeout_s)
+
+
+class LabTab:
+    """One browser page running JupyterLab, reused from notebook to notebook: loading JupyterLab
+    takes seconds, opening a notebook in it does not. ``open(name, url, kernel_idle)`` returns the
+    page with ``name`` open and its kernel idle; ``discard()`` closes the page, so the next
+    ``open`` starts from a fresh one (after a failure, whatever state it left is gone)."""
+
+    def __init__(self, context):
+        self.context, self.page = context, None
+
+    def open(self, name: str, url: str, kernel_idle, timeout_s: float = 90.0):
+        if self.page is None:
+            self.page = self.context.new_page()
+            open_notebook(self.page, url, kernel_idle, timeout_s)
+        else:
+            open_in_app(self.page, name, kernel_idle, timeout_s)
+        return self.page
+
+    def discard(self) -> None:
+        if self.page is not None:
+            self.page.close()
+            self.page = None
 
 
 def click_menu(page, menu: str, item: str, timeout_s: float = 10.0) -> None:

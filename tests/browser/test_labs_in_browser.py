@@ -1,6 +1,8 @@
 """Every lab as a learner meets it: opened in JupyterLab in a real (headless) browser.
 
-For each ``labs/NN_*.ipynb``: clear outputs, Run > Run All Cells, wait until the kernel is idle,
+The labs are opened one after another in one JupyterLab page (a lab that fails closes it, so
+the next starts from a fresh one). For each ``labs/NN_*.ipynb``: clear outputs, Run > Run All
+Cells, wait until the kernel is idle,
 then check what is on screen: no cell shows an error, every widget is rendered with a non-zero
 size, every figure image has loaded; then move the first control of the lab's main widget
 (class ``fsdp-lab-main``) and check its figure changes. A screenshot of the main widget goes
@@ -35,15 +37,15 @@ def test_widgets_frontend_extension_installed():
 
 
 @pytest.mark.parametrize("notebook", LAB_NOTEBOOKS, ids=[p.stem for p in LAB_NOTEBOOKS])
-def test_lab_runs_and_its_widget_responds(notebook, chromium, lab_server, artifacts):
+def test_lab_runs_and_its_widget_responds(notebook, lab_tab, lab_server, artifacts):
     import lab_page
 
     timings = {}
-    page = chromium.new_page()
+    page = None
     try:
         start = time.monotonic()
-        lab_page.open_notebook(page, lab_server.notebook_url(notebook.name),
-                               kernel_idle=lambda: lab_server.kernel_idle(notebook.name))
+        page = lab_tab.open(notebook.name, lab_server.notebook_url(notebook.name),
+                            kernel_idle=lambda: lab_server.kernel_idle(notebook.name))
         timings["open_s"] = time.monotonic() - start
 
         timings["run_all_s"] = lab_page.run_all_cells(page, cell_timeout_s=CELL_TIMEOUT_S)
@@ -65,10 +67,13 @@ def test_lab_runs_and_its_widget_responds(notebook, chromium, lab_server, artifa
         widget.scroll_into_view_if_needed()
         widget.screenshot(path=str(artifacts / f"{notebook.stem}.png"))
     except BaseException:
-        page.screenshot(path=str(artifacts / f"{notebook.stem}-page.png"), full_page=True)
+        try:
+            if page is not None:
+                page.screenshot(path=str(artifacts / f"{notebook.stem}-page.png"), full_page=True)
+        finally:
+            lab_tab.discard()  # the next lab starts from a fresh page
         raise
     finally:
-        page.close()
         lab_server.shutdown_kernels()
         _record_timings(artifacts.parent / "browser_timings.json", notebook.stem, timings)
 
