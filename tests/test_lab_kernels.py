@@ -24,8 +24,20 @@ def test_bf16_labs_compare_equal_with_other_cpu_kernels():
     pytest.importorskip("nbval")
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", ONEDNN_MAX_CPU_ISA="AVX2")
     env.pop("PYTEST_ADDOPTS", None)
-    run = subprocess.run([sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider", *BF16_LABS],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    tail = run.stdout[-4000:]
-    assert run.returncode == 0, tail
-    assert " passed" in tail and "failed" not in tail, tail
+    # one pytest per lab, side by side: each spends much of its time waiting on its ranks
+    runs = {lab: subprocess.Popen([sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider", lab],
+                                  cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for lab in BF16_LABS}
+    outputs = {}
+    try:
+        for lab, run in runs.items():
+            outputs[lab] = run.communicate(timeout=900)[0]
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    for lab, run in runs.items():
+        tail = outputs[lab][-4000:]
+        assert run.returncode == 0, f"{lab}:\n{tail}"
+        assert " passed" in tail and "failed" not in tail, f"{lab}:\n{tail}"
