@@ -13,7 +13,8 @@ CPU activity, no shapes or stacks) is the other way to see every allocation: in 
 Python per op, but recording an event per op and per allocation; its cost is shown beside ours,
 and so is the same profiler recording allocations only (record functions limited to the user
 scope, so no op events): what seeing allocations from C++ costs at the least, through any
-instrument PyTorch ships. PyTorch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``,
+instrument PyTorch ships; and that profiler as a tracker would use it (``profiler_stream``):
+each saved tensor marked in its stream, the stream read back after the step. PyTorch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``,
 also a ``TorchDispatchMode``) runs the same step too: its cost beside ours, and its peak beside
 ours (the same bytes: tests/test_memory_tracker.py checks it). And the route that would meet the
 target: ``allocation_hook.py`` logs the allocators' reports in C++ (built here at first use;
@@ -90,6 +91,41 @@ class _AllocationsOnly:
         return False
 
 
+class _ProfilerStream(_AllocationsOnly):
+    """The least a tracker fed by PyTorch's profiler (no compiled code of its own) must do: the
+    allocations-only profiler, each tensor autograd saves marked in its stream (a user-scope
+    record function, the one event Python can add there) and the stream read back after the step
+    as (time, address, bytes), ready for a replay that this class does not do."""
+
+    def __init__(self):
+        super().__init__()
+        if self.available:
+            from torch._C._profiler import _EventType
+            self._allocation = _EventType.Allocation
+            self._marker_enter = torch.ops.profiler._record_function_enter_new
+            self._marker_exit = torch.ops.profiler._record_function_exit._RecordFunction
+
+    def _mark_saved(self, tensor):
+        self._marker_exit(self._marker_enter("saved", None))
+        return tensor
+
+    def __enter__(self):
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._mark_saved, lambda t: t)
+        self._saved_hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._saved_hooks.__exit__(*exc)
+        self.stream, self.marks = [], 0
+        for event in self._disable().experimental_event_tree():
+            if event.tag == self._allocation:
+                fields = event.extra_fields
+                self.stream.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+            else:
+                self.marks += 1
+        return False
+
+
 class _CountOps(TorchDispatchMode):
     """Counts the ops one step dispatches (what a per-op instrument pays for)."""
 
@@ -146,6 +182,9 @@ def main() -> dict:
         elif kind == "allocations_only":
             with allocations_only:
                 step()
+        elif kind == "profiler_stream":
+            with profiler_stream:
+                step()
         elif kind == "allocation_hook":
             with AllocationHook(device.type) as hook:
                 step()
@@ -163,10 +202,10 @@ def main() -> dict:
         return clock() - start
 
     load_before = os.getloadavg()[0]
-    allocations_only = _AllocationsOnly()
+    allocations_only, profiler_stream = _AllocationsOnly(), _ProfilerStream()
     kinds = ("plain", "dispatch_floor", "profiler_memory", "tracked")
     if allocations_only.available:
-        kinds = kinds[:3] + ("allocations_only",) + kinds[3:]
+        kinds = kinds[:3] + ("allocations_only", "profiler_stream") + kinds[3:]
     hook_missing = AllocationHook.build() if args.allocation_hook else "--no-allocation-hook"
     if hook_missing is None:
         kinds += ("allocation_hook",)
@@ -204,6 +243,10 @@ def main() -> dict:
         result["allocations_only_step_s"] = median["allocations_only"]
         result["allocations_only_ratio"] = median["allocations_only"] / median["plain"]
         result["allocations_per_step"] = allocations_only.allocations
+        result["profiler_stream_step_s"] = median["profiler_stream"]
+        result["profiler_stream_ratio"] = median["profiler_stream"] / median["plain"]
+        result["profiler_stream_events"] = len(profiler_stream.stream)
+        result["profiler_stream_saved_marks"] = profiler_stream.marks
     if hook_missing is None:
         result["allocation_hook_step_s"] = median["allocation_hook"]
         result["allocation_hook_ratio"] = median["allocation_hook"] / median["plain"]
@@ -224,7 +267,8 @@ def main() -> dict:
         print(f"{kind:<16}{1e3 * median[kind]:>12.2f}{median[kind] / median['plain']:>8.3f}")
     print(f"ratio tracked/plain: {result['ratio']:.2f}  (target <= 1.10; a do-nothing dispatch mode alone: "
           f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f}"
-          + (f", allocations only: {result['allocations_only_ratio']:.2f}" if allocations_only.available else "")
+          + (f", allocations only: {result['allocations_only_ratio']:.2f}, read back with saved tensors marked: "
+             f"{result['profiler_stream_ratio']:.2f}" if allocations_only.available else "")
           + (f"; PyTorch's MemTracker: {result['torch_mem_tracker_ratio']:.2f}" if torch_mem_tracker else "")
           + (f"; an allocation hook in C++: {result['allocation_hook_ratio']:.2f}" if hook_missing is None else "")
           + ")")
