@@ -14,21 +14,21 @@ Python per op, but recording an event per op and per allocation; its cost is sho
 and so is the same profiler recording allocations only (record functions limited to the user
 scope, so no op events): what seeing allocations from C++ costs at the least, through any
 instrument PyTorch ships; and that profiler as a tracker would use it (``profiler_stream``):
-each saved tensor marked in its stream, the stream read back after the step. PyTorch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``,
-also a ``TorchDispatchMode``) runs the same step too: its cost beside ours, and its peak beside
-ours (the same bytes: tests/test_memory_tracker.py checks it). And the route that would meet the
-target: ``allocation_hook.py`` logs the allocators' reports in C++ (built here at first use;
-skipped, with the reason, without a C++ compiler) with saved tensors stamped from Python, and
-replays the stream after the step; its peak above the start is printed beside the tracker's.
-The ops of one step are counted, and each instrument's cost per op
-printed: a per-op instrument costs a fixed time per op, so its ratio falls as ops grow (bigger
-batches, wider layers). Times are CPU time
+each saved tensor marked in its stream, the stream read back after the step. PyTorch's own
+``MemTracker`` (``torch.distributed._tools.mem_tracker``, also a ``TorchDispatchMode``) runs the
+same step too: its cost beside ours, and its peak beside ours (the same bytes:
+tests/test_memory_tracker.py checks it). And the route that would meet the target:
+``allocation_hook.py`` logs the allocators' reports in C++ (built here at first use; skipped,
+with the reason, without a C++ compiler) with saved tensors stamped from Python, and replays the
+stream after the step; its peak above the start is printed beside the tracker's. The ops of one
+step are counted, and each instrument's cost per op printed: a per-op instrument costs a fixed
+time per op, so its ratio falls as ops grow (bigger batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
-wall-clock time; on a GPU, wall-clock time with the device synchronised.
-On a GPU the model runs there and steps are synchronised before timing.
-It also sets the tracked step beside ``estimate`` (and, on CUDA, beside the allocator's
-``torch.cuda.max_memory_allocated``): peak bytes by category, estimated vs measured.
-Writes ``benchmarks/results/memory_tracker_<cpu|cuda>.json`` (the GPU's name under ``device``).
+wall-clock time; on a GPU, wall-clock time with the device synchronised. On a GPU the model runs
+there and steps are synchronised before timing. It also sets the tracked step beside
+``estimate`` (and, on CUDA, beside the allocator's ``torch.cuda.max_memory_allocated``): peak
+bytes by category, estimated vs measured. Writes
+``benchmarks/results/memory_tracker_<cpu|cuda>.json`` (the GPU's name under ``device``).
 """
 
 from __future__ import annotations
