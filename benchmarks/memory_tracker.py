@@ -117,12 +117,17 @@ class _ProfilerStream(_AllocationsOnly):
     def __exit__(self, *exc):
         self._saved_hooks.__exit__(*exc)
         self.stream, self.marks = [], 0
-        for event in self._disable().experimental_event_tree():
+        # allocations inside a user-scope range (the optimizer's step is one) are its children
+        events = list(self._disable().experimental_event_tree())
+        while events:
+            event = events.pop()
             if event.tag == self._allocation:
                 fields = event.extra_fields
                 self.stream.append((event.start_time_ns, fields.ptr, fields.alloc_size))
             else:
-                self.marks += 1
+                self.marks += event.name == "saved"
+                events.extend(event.children)
+        self.stream.sort()
         return False
 
 
