@@ -1,12 +1,12 @@
 """Every lab as a learner meets it: opened in JupyterLab in a real (headless) browser.
 
-The labs are opened one after another in one JupyterLab page (a lab that fails closes it, so
-the next starts from a fresh one). For each ``labs/NN_*.ipynb``: clear outputs, Run > Run All
-Cells, wait until the kernel is idle,
-then check what is on screen: no cell shows an error, every widget is rendered with a non-zero
-size, every figure image has loaded; then move the first control of the lab's main widget
-(class ``fsdp-lab-main``) and check its figure changes. A screenshot of the main widget goes
-to ``tmp_artifacts/screenshots/<lab>.png`` (and ``<lab>-page.png`` of the whole page on failure).
+The labs are opened one after another in one JupyterLab page (a lab that fails closes it, so the
+next starts from a fresh one). For each ``labs/NN_*.ipynb``: clear outputs, Run > Run All Cells,
+wait until the kernel is idle, then check what is on screen: no cell shows an error, every
+widget is rendered with a non-zero size, every figure image has loaded; then move the first
+control of the lab's main widget (class ``fsdp-lab-main``) and check its figure changes. A
+screenshot of the main widget goes to ``tmp_artifacts/screenshots/<lab>.png`` (and
+``<lab>-page.png`` of the whole page on failure).
 
 Run:  python -m pytest -m browser tests/browser -q -rs
 Needs Debian's Chromium and the playwright package (see conftest.py); skipped without them.
@@ -68,8 +68,9 @@ def test_lab_runs_and_its_widget_responds(notebook, lab_tab, lab_server, artifac
         widget.screenshot(path=str(artifacts / f"{notebook.stem}.png"))
     except BaseException:
         try:
-            if page is not None:
-                page.screenshot(path=str(artifacts / f"{notebook.stem}-page.png"), full_page=True)
+            failed_page = page if page is not None else lab_tab.page  # a failed open's page too
+            if failed_page is not None:
+                failed_page.screenshot(path=str(artifacts / f"{notebook.stem}-page.png"), full_page=True)
         finally:
             lab_tab.discard()  # the next lab starts from a fresh page
         raise
