@@ -88,6 +88,6 @@ def lab_tab(chromium, lab_server):
     """The page the labs are opened in, one after another (``lab_page.LabTab``)."""
     from lab_page import LabTab
 
-    tab = LabTab(chromium)
+    tab = LabTab(chromium, lab_server)
     yield tab
     tab.discard()

@@ -174,17 +174,19 @@ def open_in_app(page, path: str, kernel_idle, timeout_s: float = 90.0) -> None:
 
 class LabTab:
     """One browser page running JupyterLab, reused from notebook to notebook: loading JupyterLab
-    takes seconds, opening a notebook in it does not. ``open(name, url, kernel_idle)`` returns the
-    page with ``name`` open and its kernel idle; ``discard()`` closes the page, so the next
-    ``open`` starts from a fresh one (after a failure, whatever state it left is gone)."""
+    takes seconds, opening a notebook in it does not. ``open(name)`` returns the page with the
+    notebook ``name`` of ``server`` (a ``lab_server.LabServer``) open and its kernel idle;
+    ``discard()`` closes the page, so the next ``open`` starts from a fresh one (after a failure,
+    whatever state it left is gone)."""
 
-    def __init__(self, context):
-        self.context, self.page = context, None
+    def __init__(self, context, server):
+        self.context, self.server, self.page = context, server, None
 
-    def open(self, name: str, url: str, kernel_idle, timeout_s: float = 90.0):
+    def open(self, name: str, timeout_s: float = 90.0):
+        kernel_idle = lambda: self.server.kernel_idle(name)  # noqa: E731
         if self.page is None:
             self.page = self.context.new_page()
-            open_notebook(self.page, url, kernel_idle, timeout_s)
+            open_notebook(self.page, self.server.notebook_url(name), kernel_idle, timeout_s)
         else:
             open_in_app(self.page, name, kernel_idle, timeout_s)
         return self.page

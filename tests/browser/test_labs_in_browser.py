@@ -44,8 +44,7 @@ def test_lab_runs_and_its_widget_responds(notebook, lab_tab, lab_server, artifac
     page = None
     try:
         start = time.monotonic()
-        page = lab_tab.open(notebook.name, lab_server.notebook_url(notebook.name),
-                            kernel_idle=lambda: lab_server.kernel_idle(notebook.name))
+        page = lab_tab.open(notebook.name)
         timings["open_s"] = time.monotonic() - start
 
         timings["run_all_s"] = lab_page.run_all_cells(page, cell_timeout_s=CELL_TIMEOUT_S)
