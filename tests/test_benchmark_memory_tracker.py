@@ -1,0 +1,36 @@
+"""benchmarks/memory_tracker.py's ``profiler_stream``: the profiler's allocation stream read back
+whole, against allocations whose sizes are known (one inside a user-scope range, as the
+optimizer's step is) and saved tensors counted by hand."""
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # memory_tracker imports allocation_hook beside it
+spec = importlib.util.spec_from_file_location("bench_memory_tracker", REPO / "benchmarks" / "memory_tracker.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_profiler_stream_reads_allocations_inside_user_ranges_and_marks_each_saved_tensor():
+    stream = bench._ProfilerStream()
+    if not stream.available:
+        pytest.skip("this torch lacks the profiler's private entry points")
+    weight = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(8, 32)
+    with stream:
+        outside = torch.empty(1000, dtype=torch.uint8)           # 1000 bytes
+        with torch.profiler.record_function("a user range"):
+            inside = torch.empty(3000, dtype=torch.uint8)        # 3000 bytes, a child of the range
+        loss = (x @ weight).square().sum()                       # saves x, and x @ weight
+        del outside, inside, loss
+    sizes = [size for _, _, size in stream.stream]
+    assert 1000 in sizes and -1000 in sizes
+    assert 3000 in sizes and -3000 in sizes
+    assert sum(sizes) == 0                                       # everything made inside was freed
+    assert [t for t, _, _ in stream.stream] == sorted(t for t, _, _ in stream.stream)
+    assert stream.marks == 2
