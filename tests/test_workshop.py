@@ -273,6 +273,30 @@ def test_the_solution_copy_never_overwrites_a_figure(tmp_path, monkeypatch):
         files.lab_files("figures")
 
 
+def test_a_figure_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    monkeypatch.delenv(files.BUILD_ENV, raising=False)
+    learner = files.lab_files("07_x", cwd=tmp_path)
+    target = learner.figures / "fig.txt"
+    target.write_text("earlier run")
+
+    def write_seen_midway(path):
+        pathlib.Path(path).write_text("half")
+        assert target.read_text() == "earlier run"   # a reader mid-write still sees the whole old file
+        pathlib.Path(path).write_text("half and the rest")
+
+    learner.save("fig.txt", write_seen_midway)
+    assert target.read_text() == "half and the rest"
+
+    def fail_midway(path):
+        pathlib.Path(path).write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        learner.save("fig.txt", fail_midway)
+    assert target.read_text() == "half and the rest"
+    assert sorted(p.name for p in learner.figures.iterdir()) == ["fig.txt"]   # no partial file left
+
+
 # ----------------------------------------------------------------------------- fsdp-lab lab
 
 

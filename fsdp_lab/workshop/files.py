@@ -42,11 +42,21 @@ class LabFiles:
 
     def save(self, name: str, writer: Callable[..., Any], **kwargs) -> None:
         """Write ``figures/<name>`` with ``writer(path, **kwargs)``; the solution notebook leaves
-        an existing file alone (it belongs to the learner's copy). Returns None, so a cell
-        ending with it shows nothing; the file is at ``self.figures / name``."""
+        an existing file alone (it belongs to the learner's copy). The file appears whole or not
+        at all (written under a temporary name, then renamed). Returns None, so a cell ending
+        with it shows nothing; the file is at ``self.figures / name``. Raises what ``writer``
+        raises (the partial file is removed; an earlier file stays as it was)."""
         path = self.figures / name
-        if not (self.solution and path.exists()):
-            writer(str(path), **kwargs)
+        if self.solution and path.exists():
+            return
+        # Written beside, then renamed into place: two runs of the lab at once (nbval and the
+        # browser, a learner's two tabs) never leave or read a half-written file.
+        partial = path.with_name(f".{path.stem}.{os.getpid()}.partial{path.suffix}")
+        try:
+            writer(str(partial), **kwargs)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def savefig(self, fig, name: str, **kwargs) -> None:
         """``fig.savefig`` into ``figures/<name>``, with the rule of :meth:`save`."""
