@@ -183,6 +183,14 @@ def check_nbval() -> Check:
                           status_if_missing="WARN", why=" (needed only for `pytest --nbval labs/`)")
 
 
+def check_pytest_xdist() -> Check:
+    """pytest-xdist, which the README's test command uses to run two workers."""
+    return _check_package("pytest-xdist", "pytest-xdist", None, f"pip install pytest-xdist  (or {LAB_EXTRA})",
+                          status_if_missing="WARN",
+                          why=" (needed only for the test command's `-n 2`; without it, leave `-n 2 "
+                              "--dist loadfile` out)")
+
+
 def labextension_dirs() -> list[pathlib.Path]:
     """The folders JupyterLab loads prebuilt extensions from (jupyter_core's search path)."""
     try:
@@ -280,7 +288,7 @@ def check_launch(timeout: float = 120.0) -> Check:
 CHECKS: list[str] = [
     "check_platform", "check_python", "check_torch", "check_cuda", "check_nccl", "check_gloo",
     "check_jupyterlab", "check_ipykernel", "check_ipywidgets", "check_widgets_extension", "check_nbval",
-    "check_matplotlib",
+    "check_pytest_xdist", "check_matplotlib",
 ]
 
 

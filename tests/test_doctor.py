@@ -102,6 +102,14 @@ def test_missing_nbval_only_warns(monkeypatch, capsys):
     assert line_of(out, "nbval").startswith("WARN") and "pip install nbval" in line_of(out, "nbval")
 
 
+def test_missing_pytest_xdist_only_warns_and_says_how_to_test_without_it(monkeypatch, capsys):
+    pretend_missing(monkeypatch, "pytest-xdist")
+    code, out = run(capsys, "--no-launch")
+    line = line_of(out, "pytest-xdist")
+    assert code == 0 and line.startswith("WARN")
+    assert "pip install pytest-xdist" in line and "leave `-n 2 --dist loadfile` out" in line
+
+
 def test_widgets_extension_missing_from_jupyterlab_paths(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "labextension_dirs", lambda: [tmp_path])
     check = doctor.check_widgets_extension()
