@@ -1,13 +1,9 @@
 """benchmarks/allocation_hook.py: the replay of an allocation stream, on streams worked by hand
 (building the C++ extension is left to the benchmark)."""
 
-import importlib.util
-import pathlib
+from _benchmarks import load_benchmark
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("allocation_hook", REPO / "benchmarks" / "allocation_hook.py")
-allocation_hook = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(allocation_hook)
+allocation_hook = load_benchmark("allocation_hook")
 replay = allocation_hook.replay
 
 

@@ -2,18 +2,12 @@
 whole, against allocations whose sizes are known (one inside a user-scope range, as the
 optimizer's step is) and saved tensors counted by hand."""
 
-import importlib.util
-import pathlib
-import sys
-
 import pytest
 import torch
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))  # memory_tracker imports allocation_hook beside it
-spec = importlib.util.spec_from_file_location("bench_memory_tracker", REPO / "benchmarks" / "memory_tracker.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from _benchmarks import load_benchmark
+
+bench = load_benchmark("memory_tracker")
 
 
 def test_profiler_stream_reads_allocations_inside_user_ranges_and_marks_each_saved_tensor():

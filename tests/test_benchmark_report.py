@@ -1,15 +1,13 @@
 """benchmarks/report.py: docs/benchmarks.md is laid out from the recorded JSON, and is current."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("bench_report", REPO / "benchmarks" / "report.py")
-report = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(report)
+from _benchmarks import BENCHMARKS, load_benchmark
+
+REPO = BENCHMARKS.parent
+report = load_benchmark("report")
 
 
 def test_flatten_nested_results():

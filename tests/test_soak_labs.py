@@ -1,12 +1,8 @@
 """benchmarks/soak_labs.py: a JUnit report becomes counts, failing ids and seconds per notebook."""
 
-import importlib.util
-import pathlib
+from _benchmarks import load_benchmark
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("soak_labs", REPO / "benchmarks" / "soak_labs.py")
-soak_labs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(soak_labs)
+soak_labs = load_benchmark("soak_labs")
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="4">
