@@ -344,3 +344,38 @@ def test_peak_matches_pytorchs_own_mem_tracker(batch_size, seq_len):
     assert tracker.peak_total() == theirs["Total"]
     assert ours["params"] == theirs["PARAM"] and ours["grads"] == theirs["GRAD"]
     assert ours["optimizer_state"] <= theirs["OPT"]
+
+
+def test_a_dropped_tracker_and_model_free_the_models_storages_without_the_collector():
+    """The tracker holds its model; nothing may hold the tracker in a cycle after it exits, or
+    dropping both keeps the model's memory until the garbage collector runs."""
+    import gc
+    import weakref
+
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    def tracked_then_dropped():
+        model = Llama("cpu", seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batch = global_batch(model.config.vocab_size, 2, 16)
+        for _ in range(2):  # the first step builds AdamW's state (and warms PyTorch's caches)
+            with MemoryTracker(model, opt) as mt:
+                model(batch).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert mt.peak_total() > 0
+        storages = [p.untyped_storage() for p in model.parameters()]
+        storages += [t.untyped_storage() for state in opt.state.values() for t in state.values()]
+        refs = [weakref.ref(st) for st in storages]
+        del model, opt, batch, mt, storages
+        return refs
+
+    tracked_then_dropped()
+    gc.collect()
+    gc.disable()
+    try:
+        refs = tracked_then_dropped()
+        assert sum(r() is not None for r in refs) == 0
+    finally:
+        gc.enable()

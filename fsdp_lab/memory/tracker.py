@@ -266,6 +266,7 @@ class MemoryTracker(StorageLedger, TorchDispatchMode):
         tags.remove_listener(self._on_tag)
         torch.UntypedStorage.resize_ = self._orig_resize
         self._saved_hooks.__exit__(*exc)
+        self._saved_hooks = None  # it holds this tracker's bound methods: a cycle through the model
         for handle in self._handles:
             handle.remove()
         self._handles = []
