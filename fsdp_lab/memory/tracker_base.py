@@ -1,0 +1,197 @@
+"""What both memory trackers share: the model and optimizer they watch, the hooks that mark
+phase boundaries and give gradients and optimizer state their roles, and the results.
+
+``MemoryTracker`` (``memory.tracker``, fed by dispatch) subclasses ``TrackerBase`` and
+supplies how a storage is registered or moved to a role (``_classify``, ``_see_storage``), what
+identifies a storage in their ledger (``_key_of``), ``_mark`` where marks are not immediate, and
+its own ``__enter__``/``__exit__``. The bookkeeping is ``memory.ledger.StorageLedger``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from fsdp_lab.memory import tags
+from fsdp_lab.memory.ledger import StorageLedger
+from fsdp_lab.memory.ownership import reachable_storage_ids
+from fsdp_lab.memory.results import MemoryResult
+
+
+class TrackerBase(StorageLedger):
+    """The model, optimizer, device and phase modules of a tracker, and what it hooks into them
+    (arguments: see ``MemoryTracker``).
+
+    Raises ValueError for a ``phase_modules`` name the model does not have, or a CUDA ``device``
+    when this process sees no GPU.
+    """
+
+    def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 *, device: torch.device | str | None = None, phase_modules: Iterable[str] | None = None):
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        if device is None:
+            param = next(iter(model.parameters()), None) if model is not None else None
+            device = param.device if param is not None else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"MemoryTracker(device={str(device)!r}) but this process sees no CUDA GPU "
+                             f"(torch {torch.__version__}); leave device out to track the model's own "
+                             "device, or pass device='cpu'")
+        self._device_type = self.device.type
+        modules = _modules_by_name(model) if model is not None else {}
+        if phase_modules is None:
+            phase_modules = [n for n, m in modules.items() if n and _is_phase_module(n, m, modules)]
+        missing = [n for n in phase_modules if n not in modules]
+        if missing:
+            raise ValueError(f"phase_modules {missing} are not submodules of the model; "
+                             f"use names from model.named_modules()")
+        self._phase_modules = [(n, modules[n]) for n in phase_modules]
+        self._reset()
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._reset_ledger()
+        self._timeline: list[tuple[str, dict[str, int]]] = []
+        self._handles: list = []
+        self._buffer_keys: set[int] = set()
+        self._cuda: dict[str, int] = {}
+        self._active = False
+
+    @staticmethod
+    def _key_of(storage) -> int:
+        """What identifies a storage in this tracker's ledger."""
+        return storage._cdata
+
+    def _mark(self, label: str) -> None:
+        """A phase boundary: record a timeline point."""
+        if not self._active:  # a tensor hook firing after the tracker exited
+            return
+        self._label = label
+        self._timeline.append((label, dict(self._totals)))
+
+    # ---- hooks -------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        in_backward = torch._C._current_graph_task_id
+
+        def fwd_pre(name):
+            def hook(module, args):
+                if in_backward() != -1:
+                    return
+                self._mark(f"forward {name} start")
+                grad_in = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+                if grad_in is not None:
+                    grad_in.register_hook(lambda g: self._mark(f"backward {name} end"))
+            return hook
+
+        def fwd_post(name):
+            def hook(module, args, output):
+                if in_backward() != -1:
+                    self._mark(f"recompute {name}")
+                    return
+                self._mark(f"forward {name} end")
+                out = output if isinstance(output, torch.Tensor) else None
+                if out is None and isinstance(output, (tuple, list)):
+                    out = next((o for o in output if isinstance(o, torch.Tensor)), None)
+                if out is not None and out.requires_grad:
+                    out.register_hook(lambda g: self._mark(f"backward {name} start"))
+            return hook
+
+        for name, module in self._phase_modules:
+            self._handles.append(module.register_forward_pre_hook(fwd_pre(name)))
+            self._handles.append(module.register_forward_hook(fwd_post(name)))
+        if self.model is not None:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        lambda p: self._classify([p.grad], "grads")))
+        if self.optimizer is not None:
+            def step_pre(opt, args, kwargs):
+                self._mark("optimizer step start")
+
+            def step_post(opt, args, kwargs):
+                self._classify(_state_tensors(opt), "optimizer_state")
+                self._mark("optimizer step end")
+            self._handles.append(self.optimizer.register_step_pre_hook(step_pre))
+            self._handles.append(self.optimizer.register_step_post_hook(step_post))
+
+    def _register_existing(self) -> None:
+        # runs at every tracker's start: each list of the model's tensors is walked once
+        if self.model is not None:
+            params, buffers = list(self.model.parameters()), list(self.model.buffers())
+            self._classify(params, "params")
+            self._classify([p.grad for p in params if p.grad is not None], "grads")
+            self._classify(buffers, "other")
+            # a buffer autograd saves (RoPE tables) is the model's, not this step's activations
+            self._buffer_keys = {self._key_of(t.untyped_storage()) for t in buffers if _is_plain(t)
+                                 and t.device.type != "meta"}
+        if self.optimizer is not None:
+            self._classify(_state_tensors(self.optimizer), "optimizer_state")
+        # tagged storages of the tracked model only: a model dropped earlier but not yet
+        # collected, or another live model, holds tagged storages too
+        owned = reachable_storage_ids([self.model, self.optimizer]) if tags._tags else set()
+        for st, cat in list(tags._tags.items()):
+            if st.device.type == self._device_type and st._cdata in owned:
+                self._see_storage(st, cat)
+
+    # ---- results -----------------------------------------------------------------------
+
+    def timeline(self) -> list[tuple[str, dict[str, int]]]:
+        """[(label, {category: bytes})] at each phase boundary ("forward layers.0 start",
+        "backward layers.0 end", "optimizer step end" ...), in order."""
+        return [(label, dict(snap)) for label, snap in self._timeline]
+
+    def result(self) -> MemoryResult:
+        """Everything measured, as a picklable MemoryResult."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return MemoryResult(rank=rank, device=str(self.device), peak=self.peak(),
+                            peak_label=self._peak_label, current=self.current(),
+                            timeline=self.timeline(), max_by_category=self.max_by_category(),
+                            cuda=dict(self._cuda))
+
+def _modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
+    """``model.named_modules()`` plus the same names without FSDP1's ``_fsdp_wrapped_module``
+    step, so ``layers.0`` is found in a wrapped model too (the outer wrapper, whose forward
+    includes the all-gather, wins over the module it wraps)."""
+    named = dict(model.named_modules())
+    clean: dict[str, nn.Module] = {}
+    for name, module in named.items():
+        short = name.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".")
+        clean.setdefault(short, module)
+    return clean | named
+
+
+def _is_phase_module(name: str, module: nn.Module, modules: dict[str, nn.Module]) -> bool:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) or "_fsdp_wrapped_module" in name:
+        return False
+    parent = name.rpartition(".")[0]
+    if not parent:
+        return True
+    return "." not in parent and isinstance(modules.get(parent), (nn.ModuleList, nn.ModuleDict))
+
+
+def _plain_tensors(t) -> list[torch.Tensor]:
+    if not isinstance(t, torch.Tensor):
+        return []
+    if type(t).__name__ == "DTensor":
+        return _plain_tensors(t._local_tensor)
+    if hasattr(type(t), "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in _plain_tensors(getattr(t, n))]
+    return [t]
+
+
+def _tagged(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and tags.category_of(t.untyped_storage()) is not None
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _is_plain(t) -> bool:
+    return isinstance(t, torch.Tensor) and not hasattr(type(t), "__tensor_flatten__")
