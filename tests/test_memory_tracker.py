@@ -8,10 +8,18 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.memory import tags
+from fsdp_lab.memory.allocation_log import toolchain_missing
 from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.memory.tracker import MemoryResult, MemoryTracker, format_rows, merge_ranks
 
 F32 = 4
+
+# Both ways of feeding the tracker must give these tests' numbers ("allocator" builds its C++
+# allocation log at first use: about a minute, once per machine; skipped without a compiler).
+MISSING_TOOLCHAIN = toolchain_missing()
+ALLOCATOR = pytest.param("allocator", marks=pytest.mark.skipif(
+    MISSING_TOOLCHAIN is not None, reason=f"MemoryTracker(source='allocator') needs {MISSING_TOOLCHAIN}"))
+SOURCES = pytest.mark.parametrize("source", ["dispatch", ALLOCATOR])
 
 
 def small_model():
@@ -23,11 +31,12 @@ def nonzero(d):
     return {k: v for k, v in d.items() if v}
 
 
-def test_categories_exact_through_one_step():
+@SOURCES
+def test_categories_exact_through_one_step(source):
     model = small_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     params = (64 * 128 + 128 * 32) * F32  # 49152
-    with MemoryTracker(model, opt) as mt:
+    with MemoryTracker(model, opt, source=source) as mt:
         assert nonzero(mt.current()) == {"params": params}
         x = torch.randn(16, 64)
         # Linear saves x (16x64), ReLU saves its output (16x128), square saves y (16x32);
@@ -48,8 +57,9 @@ def test_categories_exact_through_one_step():
     assert sum(mt.peak().values()) == mt.peak_total() >= params * 3
 
 
-def test_peak_is_the_highest_moment_and_frees_are_seen():
-    with MemoryTracker() as mt:
+@SOURCES
+def test_peak_is_the_highest_moment_and_frees_are_seen(source):
+    with MemoryTracker(source=source) as mt:
         a = torch.empty(1000)
         b = torch.empty(2000)
         del a
@@ -64,8 +74,9 @@ def test_peak_is_the_highest_moment_and_frees_are_seen():
     del c
 
 
-def test_storage_resize_is_accounted():
-    with MemoryTracker() as mt:
+@SOURCES
+def test_storage_resize_is_accounted(source):
+    with MemoryTracker(source=source) as mt:
         t = torch.empty(1000)
         storage = t.untyped_storage()
         storage.resize_(0)  # how FSDP frees an unsharded parameter without dropping the tensor
@@ -75,11 +86,12 @@ def test_storage_resize_is_accounted():
     assert mt.peak_total() == 6000
 
 
-def test_explicit_tags_and_scope_win():
+@SOURCES
+def test_explicit_tags_and_scope_win(source):
     model = small_model()
     tags.tag(model[0].weight, "sharded_params")
     try:
-        with MemoryTracker(model) as mt:
+        with MemoryTracker(model, source=source) as mt:
             buf = tags.tag(torch.empty(250), "comm_buffers")  # tagged after it was allocated
             with tags.tag_scope("quantized"):
                 q = torch.empty(100, dtype=torch.uint8)
@@ -94,19 +106,23 @@ def test_explicit_tags_and_scope_win():
     del buf, q
 
 
+@SOURCES
 @pytest.mark.parametrize("batch_made", ["before tracking", "inside the step"])
-def test_saved_batch_counts_as_activations_wherever_it_was_made(batch_made):
+def test_saved_batch_counts_as_activations_wherever_it_was_made(batch_made, source):
     from fsdp_lab.models.data import global_batch
     from fsdp_lab.models.llama import Llama
 
     model = Llama("cpu", seed=0)
     tokens = 2 * 16
     made_before = global_batch(model.config.vocab_size, 2, 16)
-    with MemoryTracker(model) as mt:
+    with MemoryTracker(model, source=source) as mt:
         batch = made_before if batch_made == "before tracking" else global_batch(model.config.vocab_size, 2, 16)
 
         def category(t):
-            return mt._live[t.untyped_storage()._cdata].category
+            if source == "dispatch":
+                return mt._live[t.untyped_storage()._cdata].category
+            mt._catch_up()  # the allocator's records are keyed by address, replayed on demand
+            return mt._record(t.untyped_storage().data_ptr()).category
 
         out = model(batch)
         # the embedding saves the input ids, the loss its labels: 8 bytes a token each
@@ -119,10 +135,11 @@ def test_saved_batch_counts_as_activations_wherever_it_was_made(batch_made):
         assert category(batch.input_ids) == category(batch.labels) == released
 
 
-def test_timeline_has_phase_boundaries():
+@SOURCES
+def test_timeline_has_phase_boundaries(source):
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with MemoryTracker(model, opt) as mt:
+    with MemoryTracker(model, opt, source=source) as mt:
         model(torch.randn(4, 64)).sum().backward()
         opt.step()
     labels = [label for label, _ in mt.timeline()]
@@ -202,7 +219,8 @@ def test_a_compiled_function_under_the_tracker_runs_through_it():
     assert mt.current()["temporaries"] == 256 * F32
 
 
-def test_tracking_does_not_change_gradients():
+@SOURCES
+def test_tracking_does_not_change_gradients(source):
     """Saved tensors pass through the tracker's hooks: backward must give the same gradients."""
     from fsdp_lab.models.data import global_batch
     from fsdp_lab.models.llama import Llama, apply_activation_checkpointing
@@ -213,7 +231,7 @@ def test_tracking_does_not_change_gradients():
         model = apply_activation_checkpointing(Llama("cpu", seed=0))
         model.layers[0].checkpoint_activations = False  # one plain block, the rest checkpointed
         if tracked:
-            with MemoryTracker(model):
+            with MemoryTracker(model, source=source):
                 model(batch).loss.backward()
         else:
             model(batch).loss.backward()
@@ -222,7 +240,8 @@ def test_tracking_does_not_change_gradients():
         torch.testing.assert_close(tracked, plain, rtol=0, atol=0)
 
 
-def test_peak_categories_do_not_depend_on_reused_addresses():
+@SOURCES
+def test_peak_categories_do_not_depend_on_reused_addresses(source):
     """A temporary alive at the peak and freed before backward must not turn into a gradient in
     ``peak()`` because a later gradient's storage happens to reuse its address."""
     from fsdp_lab.models.data import global_batch
@@ -233,7 +252,7 @@ def test_peak_categories_do_not_depend_on_reused_addresses():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         batch = global_batch(model.config.vocab_size, 4, 128)
         for tracked in (False, True):  # the first step creates AdamW's state
-            with MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as mt:
+            with MemoryTracker(model, opt, source=source) if tracked else contextlib.nullcontext() as mt:
                 model(batch).loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -346,7 +365,8 @@ def test_peak_matches_pytorchs_own_mem_tracker(batch_size, seq_len):
     assert ours["optimizer_state"] <= theirs["OPT"]
 
 
-def test_a_dropped_tracker_and_model_free_the_models_storages_without_the_collector():
+@SOURCES
+def test_a_dropped_tracker_and_model_free_the_models_storages_without_the_collector(source):
     """The tracker holds its model; nothing may hold the tracker in a cycle after it exits, or
     dropping both keeps the model's memory until the garbage collector runs."""
     import gc
@@ -360,7 +380,7 @@ def test_a_dropped_tracker_and_model_free_the_models_storages_without_the_collec
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         batch = global_batch(model.config.vocab_size, 2, 16)
         for _ in range(2):  # the first step builds AdamW's state (and warms PyTorch's caches)
-            with MemoryTracker(model, opt) as mt:
+            with MemoryTracker(model, opt, source=source) as mt:
                 model(batch).loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

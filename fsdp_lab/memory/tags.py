@@ -14,7 +14,8 @@ A ``MemoryTracker`` that is running hears every ``tag`` call at once (``add_list
 storage is counted in its new role from the moment it is tagged, not from the next phase boundary.
 
 ``tag_scope(category)`` sets a default category for storages *allocated* inside the
-``with`` block that nobody tagged explicitly; the tracker reads it with ``current_scope``.
+``with`` block that nobody tagged explicitly; the tracker reads it with ``current_scope`` (the
+allocator-fed tracker hears each change through ``add_scope_listener``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _scope = threading.local()
 _open_scopes = 0  # tag_scope blocks open in any thread
 _listeners: list[Callable[[torch.UntypedStorage, str], None]] = []
+_scope_listeners: list[Callable[[str | None], None]] = []
 
 
 def _check_category(category: str) -> None:
@@ -86,6 +88,18 @@ def remove_listener(listener: Callable[[torch.UntypedStorage, str], None]) -> No
         _listeners.remove(listener)
 
 
+def add_scope_listener(listener: Callable[[str | None], None]) -> None:
+    """Call ``listener(category)`` with the innermost ``tag_scope`` category (None outside any)
+    each time a ``tag_scope`` block opens or closes, until ``remove_scope_listener``."""
+    _scope_listeners.append(listener)
+
+
+def remove_scope_listener(listener: Callable[[str | None], None]) -> None:
+    """Stop calling ``listener`` (no error if it was not added)."""
+    if listener in _scope_listeners:
+        _scope_listeners.remove(listener)
+
+
 def category_of(storage: torch.UntypedStorage) -> str | None:
     """The category a storage was tagged with, or None if it was never tagged."""
     return _tags.get(storage)
@@ -99,11 +113,15 @@ def tag_scope(category: str) -> Iterator[None]:
     stack = _scope.__dict__.setdefault("stack", [])
     stack.append(category)
     _open_scopes += 1
+    for listener in _scope_listeners:
+        listener(category)
     try:
         yield
     finally:
         _open_scopes -= 1
         stack.pop()
+        for listener in _scope_listeners:
+            listener(stack[-1] if stack else None)
 
 
 def current_scope() -> str | None:

@@ -27,8 +27,8 @@ state, an activation or a tagged buffer right after (the op that allocates a gra
 returns before autograd stores it in ``.grad``) is counted in its final role in ``peak()``.
 
 The bookkeeping (records, totals, peak) is ``memory.ledger.StorageLedger``; this module feeds it.
-What is not about dispatch (the hooks on the model and optimizer, the results) is
-``memory.tracker_base.TrackerBase``.
+What it shares with the allocator-fed tracker (``source="allocator"``, ``memory.allocator_tracker``)
+is ``memory.tracker_base.TrackerBase``: the hooks on the model and optimizer, and the results.
 """
 
 from __future__ import annotations
@@ -84,10 +84,29 @@ class MemoryTracker(TrackerBase, TorchDispatchMode):
         device: count only storages on this device (default: the model's parameter device,
             else cpu). Fake tensors count as the device they pretend to be on.
         phase_modules: names of submodules that mark phases (default: see ``model``).
+        source: "dispatch" (default): every op seen from Python, on any device and on fake
+            tensors; "allocator": the allocators' reports logged in C++ and replayed, about 1.05x
+            a step where dispatch costs 1.3x to 1.8x, but it compiles a C++ extension at first use
+            and differs in a few edge cases (``memory.allocator_tracker`` lists them).
 
-    Raises ValueError for a ``phase_modules`` name the model does not have, or a CUDA
-    ``device`` when this process sees no GPU.
+    Raises ValueError for a ``phase_modules`` name the model does not have, an unknown
+    ``source``, or a CUDA ``device`` when this process sees no GPU.
     """
+
+    def __new__(cls, *args, source: str = "dispatch", **kwargs):
+        if source not in ("dispatch", "allocator"):
+            raise ValueError(f"MemoryTracker(source={source!r}): use 'dispatch' (the default: any device, "
+                             "fake tensors) or 'allocator' (cheaper; compiles a C++ extension at first use)")
+        if source == "allocator" and cls is MemoryTracker:
+            from fsdp_lab.memory.allocator_tracker import AllocatorTracker
+            return AllocatorTracker(*args, **kwargs)  # (not a MemoryTracker: __init__ is not called again)
+        return super().__new__(cls)
+
+    def __init__(self, *args, source: str = "dispatch", **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+    # ---- bookkeeping -------------------------------------------------------------------
 
     def _classify(self, tensors: Iterable[torch.Tensor], base: str) -> None:
         """Register or move the storages of ``tensors`` to ``base`` (explicit tags still win)."""

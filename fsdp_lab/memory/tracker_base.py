@@ -1,10 +1,11 @@
 """What both memory trackers share: the model and optimizer they watch, the hooks that mark
 phase boundaries and give gradients and optimizer state their roles, and the results.
 
-``MemoryTracker`` (``memory.tracker``, fed by dispatch) subclasses ``TrackerBase`` and
-supplies how a storage is registered or moved to a role (``_classify``, ``_see_storage``), what
+``MemoryTracker`` (``memory.tracker``, fed by dispatch) and ``AllocatorTracker``
+(``memory.allocator_tracker``, fed by the allocators' reports) subclass ``TrackerBase`` and
+supply how a storage is registered or moved to a role (``_classify``, ``_see_storage``), what
 identifies a storage in their ledger (``_key_of``), ``_mark`` where marks are not immediate, and
-its own ``__enter__``/``__exit__``. The bookkeeping is ``memory.ledger.StorageLedger``.
+their own ``__enter__``/``__exit__``. The bookkeeping is ``memory.ledger.StorageLedger``.
 """
 
 from __future__ import annotations
