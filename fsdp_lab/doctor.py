@@ -3,7 +3,8 @@
 Each check prints one line, ``OK``, ``WARN`` or ``FAIL``, and every FAIL (and WARN) says what
 to do about it. The exit code is 0 when nothing FAILs. The checks, in order: platform (POSIX),
 Python, torch (version and build), CUDA GPUs, NCCL, gloo, JupyterLab, ipykernel, ipywidgets and
-its JupyterLab extension, nbval, matplotlib, and a 2-rank ``fsdp_lab.launch`` of an all-reduce.
+its JupyterLab extension, nbval, pytest-xdist, a C++ toolchain (optional), matplotlib, and a 2-rank
+``fsdp_lab.launch`` of an all-reduce.
 
     fsdp-lab doctor                 # all checks
     fsdp-lab doctor --no-launch     # skip starting two processes
@@ -191,6 +192,18 @@ def check_pytest_xdist() -> Check:
                               "--dist loadfile` out)")
 
 
+def check_cpp_toolchain() -> Check:
+    """A C++ compiler and ninja, which ``MemoryTracker(source="allocator")`` builds its allocation
+    log with at first use. Optional: the default tracker needs neither."""
+    from fsdp_lab.memory.allocation_log import toolchain_missing
+    missing = toolchain_missing()
+    if missing is None:
+        return Check("C++ toolchain", "OK", "compiler and ninja found (MemoryTracker(source='allocator'))")
+    return Check("C++ toolchain", "WARN", f"missing {missing}",
+                 "needed only for MemoryTracker(source='allocator') and its tests, which are skipped "
+                 "without it; the default source='dispatch' needs no compiler")
+
+
 def labextension_dirs() -> list[pathlib.Path]:
     """The folders JupyterLab loads prebuilt extensions from (jupyter_core's search path)."""
     try:
@@ -288,7 +301,7 @@ def check_launch(timeout: float = 120.0) -> Check:
 CHECKS: list[str] = [
     "check_platform", "check_python", "check_torch", "check_cuda", "check_nccl", "check_gloo",
     "check_jupyterlab", "check_ipykernel", "check_ipywidgets", "check_widgets_extension", "check_nbval",
-    "check_pytest_xdist", "check_matplotlib",
+    "check_pytest_xdist", "check_cpp_toolchain", "check_matplotlib",
 ]
 
 

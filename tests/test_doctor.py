@@ -110,6 +110,18 @@ def test_missing_pytest_xdist_only_warns_and_says_how_to_test_without_it(monkeyp
     assert "pip install pytest-xdist" in line and "leave `-n 2 --dist loadfile` out" in line
 
 
+def test_missing_cpp_toolchain_only_warns_and_names_the_default_source(monkeypatch, capsys):
+    import shutil
+
+    real = shutil.which
+    monkeypatch.setenv("CXX", "no-such-c++")
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "no-such-c++" else real(name, *a, **k))
+    code, out = run(capsys, "--no-launch")
+    line = line_of(out, "C++ toolchain")
+    assert code == 0 and line.startswith("WARN")
+    assert "'no-such-c++' is not on PATH" in line and "source='dispatch'" in line
+
+
 def test_widgets_extension_missing_from_jupyterlab_paths(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "labextension_dirs", lambda: [tmp_path])
     check = doctor.check_widgets_extension()
