@@ -44,7 +44,7 @@ TESTS=("$PY" -m pytest -o addopts= -p no:cacheprovider --ignore=tests/browser
 step gpu_tests 180 "${TESTS[@]}" tests -m gpu -rA --tb=short
 step accelerator_tests 120 "${TESTS[@]}" tests/test_nf4.py -k pin_memory -rA --tb=short
 
-# the first run builds benchmarks/allocation_hook.cpp (about a minute; needs g++ and ninja)
+# the first run builds fsdp_lab/memory/allocation_log.cpp (about a minute; needs g++ and ninja)
 step memory_tracker 200 "$PY" benchmarks/memory_tracker.py
 # the same step with 32x the tokens: ops as many, each bigger (the tracker's cost is per op)
 step memory_tracker_large 120 "$PY" benchmarks/memory_tracker.py --batch-size 256 --seq-len 128 \

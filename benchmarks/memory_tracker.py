@@ -2,11 +2,12 @@
 
     python benchmarks/memory_tracker.py
     PYTHONPATH=. python benchmarks/memory_tracker.py --batch-size 8 --seq-len 128 --steps 10
-    python benchmarks/memory_tracker.py --no-allocation-hook   # without building the C++ hook
+    python benchmarks/memory_tracker.py --no-allocator   # without building the C++ allocation log
 
 Steps alternate (plain, do-nothing dispatch mode, PyTorch's profiler recording allocations,
-tracked, plain ...) in one process so all see the same machine load; the median step time of
-each is reported with its ratio to the plain step (target for the tracker <= 1.10). The
+tracked, tracked from the allocator, plain ...) in one process so all see the same machine load;
+the median step time of each is reported with its ratio to the plain step (target for the
+tracker <= 1.10). The
 do-nothing mode is the floor: what entering a Python ``TorchDispatchMode`` for every op costs
 before the tracker does any work. The profiler (``torch.profiler.profile(profile_memory=True)``,
 CPU activity, no shapes or stacks) is the other way to see every allocation: in C++, without
@@ -17,10 +18,11 @@ instrument PyTorch ships; and that profiler as a tracker would use it (``profile
 each saved tensor marked in its stream, the stream read back after the step. PyTorch's own
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``, also a ``TorchDispatchMode``) runs the
 same step too: its cost beside ours, and its peak beside ours (the same bytes:
-tests/test_memory_tracker.py checks it). And the route that would meet the target:
-``allocation_hook.py`` logs the allocators' reports in C++ (built here at first use; skipped,
-with the reason, without a C++ compiler) with saved tensors stamped from Python, and replays the
-stream after the step; its peak above the start is printed beside the tracker's. The ops of one
+tests/test_memory_tracker.py checks it). And the route that meets the target:
+``MemoryTracker(source="allocator")`` (``tracked_allocator``; its C++ allocation log is built at
+first use, skipped with the reason where no C++ compiler is found), timed with its results read,
+beside the log alone (``allocation_log``, this route's floor); its peak, by category, is printed
+beside the dispatch tracker's. The ops of one
 step are counted, and each instrument's cost per op printed: a per-op instrument costs a fixed
 time per op, so its ratio falls as ops grow (bigger batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
@@ -44,8 +46,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from allocation_hook import AllocationHook  # benchmarks/allocation_hook.py
 from fsdp_lab.dist import current_device
+from fsdp_lab.memory import allocation_log
 from fsdp_lab.memory.estimate import estimate
 from fsdp_lab.memory.tracker import MemoryTracker
 from fsdp_lab.models.data import global_batch
@@ -149,8 +151,8 @@ def main() -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--no-allocation-hook", dest="allocation_hook", action="store_false",
-                        help="skip building and timing benchmarks/allocation_hook.cpp")
+    parser.add_argument("--no-allocator", dest="allocator", action="store_false",
+                        help="skip MemoryTracker(source='allocator') (it builds a C++ extension at first use)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/memory_tracker_<cpu|cuda>.json)")
     args = parser.parse_args()
@@ -190,10 +192,15 @@ def main() -> dict:
         elif kind == "profiler_stream":
             with profiler_stream:
                 step()
-        elif kind == "allocation_hook":
-            with AllocationHook(device.type) as hook:
+        elif kind == "tracked_allocator":
+            with MemoryTracker(model, optimizer, source="allocator") as tracker:
                 step()
-            last["hook"] = hook
+            last["allocator_result"] = tracker.result()
+        elif kind == "allocation_log":
+            log.start(device.type)
+            step()
+            last["log_reports"] = len(log.take(0)[0])
+            log.stop()
         elif kind == "torch_mem_tracker":
             reference = torch_mem_tracker()
             reference.track_external(model, optimizer, batch.input_ids, batch.labels)
@@ -211,11 +218,14 @@ def main() -> dict:
     kinds = ("plain", "dispatch_floor", "profiler_memory", "tracked")
     if allocations_only.available:
         kinds = kinds[:3] + ("allocations_only", "profiler_stream") + kinds[3:]
-    hook_missing = AllocationHook.build() if args.allocation_hook else "--no-allocation-hook"
-    if hook_missing is None:
-        kinds += ("allocation_hook",)
-    else:
-        print(f"allocation hook not measured: {hook_missing}")
+    allocator_missing, log = "--no-allocator", None
+    if args.allocator:
+        try:
+            log, allocator_missing = allocation_log.load(), None
+            kinds += ("tracked_allocator", "allocation_log")
+        except RuntimeError as error:
+            allocator_missing = str(error)
+            print(f"MemoryTracker(source='allocator') not measured: {error}")
     try:  # private module: absent on some torch versions
         from torch.distributed._tools.mem_tracker import MemTracker as torch_mem_tracker
         kinds += ("torch_mem_tracker",)
@@ -252,12 +262,14 @@ def main() -> dict:
         result["profiler_stream_ratio"] = median["profiler_stream"] / median["plain"]
         result["profiler_stream_events"] = len(profiler_stream.stream)
         result["profiler_stream_saved_marks"] = profiler_stream.marks
-    if hook_missing is None:
-        result["allocation_hook_step_s"] = median["allocation_hook"]
-        result["allocation_hook_ratio"] = median["allocation_hook"] / median["plain"]
-        result["allocation_hook_events_per_step"] = last["hook"].events
+    if allocator_missing is None:
+        result["allocator_step_s"] = median["tracked_allocator"]
+        result["allocator_ratio"] = median["tracked_allocator"] / median["plain"]
+        result["allocation_log_step_s"] = median["allocation_log"]
+        result["allocation_log_ratio"] = median["allocation_log"] / median["plain"]
+        result["allocation_log_reports_per_step"] = last["log_reports"]
     else:
-        result["allocation_hook_missing"] = hook_missing
+        result["allocator_missing"] = allocator_missing
     if torch_mem_tracker is not None:
         result["torch_mem_tracker_step_s"] = median["torch_mem_tracker"]
         result["torch_mem_tracker_ratio"] = median["torch_mem_tracker"] / median["plain"]
@@ -267,16 +279,18 @@ def main() -> dict:
     result.update(ops_per_step=ops, plain_us_per_op=1e6 * median["plain"] / ops,
                   tracked_us_added_per_op=per_op_us["tracked"], floor_us_added_per_op=per_op_us["dispatch_floor"],
                   us_per_op_for_target=per_op_us["tracked"] / 0.10)
-    print(f"{'':<16}{'step (ms)':>12}{'ratio':>8}")
+    print(f"{'':<20}{'step (ms)':>12}{'ratio':>8}")
     for kind in kinds:
-        print(f"{kind:<16}{1e3 * median[kind]:>12.2f}{median[kind] / median['plain']:>8.3f}")
+        print(f"{kind:<20}{1e3 * median[kind]:>12.2f}{median[kind] / median['plain']:>8.3f}")
     print(f"ratio tracked/plain: {result['ratio']:.2f}  (target <= 1.10; a do-nothing dispatch mode alone: "
           f"{result['floor_ratio']:.2f}; PyTorch's profiler recording allocations: {result['profiler_memory_ratio']:.2f}"
           + (f", allocations only: {result['allocations_only_ratio']:.2f}, read back with saved tensors marked: "
              f"{result['profiler_stream_ratio']:.2f}" if allocations_only.available else "")
           + (f"; PyTorch's MemTracker: {result['torch_mem_tracker_ratio']:.2f}" if torch_mem_tracker else "")
-          + (f"; an allocation hook in C++: {result['allocation_hook_ratio']:.2f}" if hook_missing is None else "")
           + ")")
+    if allocator_missing is None:
+        print(f"ratio tracked from the allocator/plain: {result['allocator_ratio']:.2f}  (target <= 1.10; "
+              f"its C++ allocation log alone: {result['allocation_log_ratio']:.2f})")
     print(f"{ops} ops per step, {result['plain_us_per_op']:.1f} us each on average; the tracker adds "
           f"{per_op_us['tracked']:.1f} us per op (a do-nothing dispatch mode {per_op_us['dispatch_floor']:.1f} us), "
           f"so steps whose ops average {result['us_per_op_for_target']:.0f} us or more stay within 1.10")
@@ -299,14 +313,16 @@ def main() -> dict:
         result["torch_mem_tracker_total"] = reference_total
         print(f"{'PyTorch MemTracker':<18}{'':>14}{reference_total:>14,}   tracked/PyTorch's "
               f"{measured.peak_total / reference_total:.3f}")
-    if "hook" in last:  # the stream's peak above the start, beside the tracker's
-        tracked_start = sum(measured.timeline[0][1].values())
-        result.update(allocation_hook_peak_above_start=last["hook"].peak,
-                      allocation_hook_saved_at_peak=last["hook"].saved_at_peak,
-                      tracked_peak_above_start=measured.peak_total - tracked_start)
-        print(f"{'above the start':<18}{'':>14}{measured.peak_total - tracked_start:>14,}   "
-              f"allocation hook {last['hook'].peak:,} (saved by autograd then: {last['hook'].saved_at_peak:,}; "
-              f"tracked activations {measured.peak['activations']:,})")
+    if "allocator_result" in last:  # the same step's peak from the allocator's reports
+        from_allocator = last["allocator_result"]
+        result.update(allocator_peak=from_allocator.peak, allocator_total=from_allocator.peak_total,
+                      allocator_peak_label=from_allocator.peak_label, tracked_peak_label=measured.peak_label)
+        print(f"\n{'peak (bytes)':<18}{'dispatch':>14}{'allocator':>14}   at {measured.peak_label!r} / "
+              f"{from_allocator.peak_label!r}")
+        for cat, value in measured.peak.items():
+            if value or from_allocator.peak[cat]:
+                print(f"{cat:<18}{value:>14,}{from_allocator.peak[cat]:>14,}")
+        print(f"{'total':<18}{measured.peak_total:>14,}{from_allocator.peak_total:>14,}")
     result.update(estimate_peak=est.bytes, estimate_total=est.total, tracked_peak=measured.peak,
                   tracked_total=measured.peak_total, cuda=measured.cuda)
     RESULTS.mkdir(exist_ok=True)
