@@ -85,9 +85,9 @@ class MemoryTracker(TrackerBase, TorchDispatchMode):
             else cpu). Fake tensors count as the device they pretend to be on.
         phase_modules: names of submodules that mark phases (default: see ``model``).
         source: "dispatch" (default): every op seen from Python, on any device and on fake
-            tensors; "allocator": the allocators' reports logged in C++ and replayed, about 1.05x
-            a step where dispatch costs 1.3x to 1.8x, but it compiles a C++ extension at first use
-            and differs in a few edge cases (``memory.allocator_tracker`` lists them).
+            tensors; "allocator": the allocators' reports logged in C++ and replayed, about 1.1x a
+            small CPU step where dispatch costs 1.3x to 1.8x, but it compiles a C++ extension at
+            first use and sees a few things differently (``memory.allocator_tracker`` lists them).
 
     Raises ValueError for a ``phase_modules`` name the model does not have, an unknown
     ``source``, or a CUDA ``device`` when this process sees no GPU.
@@ -104,7 +104,6 @@ class MemoryTracker(TrackerBase, TorchDispatchMode):
 
     def __init__(self, *args, source: str = "dispatch", **kwargs):
         super().__init__(*args, **kwargs)
-
 
     # ---- bookkeeping -------------------------------------------------------------------
 
