@@ -85,6 +85,36 @@ def test_peak_is_the_profilers_plus_the_batch(batch_size, seq_len):
     assert tracker.peak_total() == start + profiled + batch.input_ids.nbytes + batch.labels.nbytes
 
 
+def test_qlora_step():
+    """NF4 weights (a wrapper tensor type) and LoRA adapters: the end state is dispatch's but for
+    ``other`` (dispatch also counts ``nf4_codec._BYTE_TO_PAIR``, the 2 KiB table dequantizing
+    reads, a module global), and the peak is not below dispatch's less that ``other``."""
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama, LlamaConfig
+    from fsdp_lab.qlora import apply_lora
+
+    model = apply_lora(Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0), rank=4, alpha=8, quantize_base=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    batch = global_batch(512, 4, 32)
+
+    def step():
+        model(batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    results = {}
+    for source in ("dispatch", "allocator"):
+        with MemoryTracker(model, opt, source=source) as tracker:
+            step()
+        results[source] = tracker.result()
+    ours, theirs = results["allocator"], results["dispatch"]
+    assert dict(ours.current, other=0) == dict(theirs.current, other=0)
+    assert ours.current["quantized"] > 0 and ours.current["optimizer_state"] > 0
+    assert ours.peak_label == theirs.peak_label
+    assert ours.peak_total >= theirs.peak_total - theirs.peak["other"]
+
+
 def _rank_sharded_cases(names):
     import sys
 
