@@ -192,3 +192,33 @@ def test_a_failed_build_names_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match=r"g\+\+: not found.*ninja.*source='dispatch'"):
         with MemoryTracker(source="allocator"):
             pass
+
+
+@pytest.mark.gpu
+def test_cuda_step():
+    """On a GPU the caching allocator reports its blocks (rounded up to 512 bytes) to the same
+    hook: what stays after the step (the model's parameters, AdamW's state) is what dispatch
+    counts, the peak is not below dispatch's, and not above what the allocator held at most."""
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    model = Llama("cpu", seed=0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = global_batch(model.config.vocab_size, 4, 64).to("cuda")
+
+    def step():
+        model(batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    results = {}
+    for source in ("dispatch", "allocator"):
+        with MemoryTracker(model, opt, source=source) as tracker:
+            step()
+        results[source] = tracker.result()
+    ours, theirs = results["allocator"], results["dispatch"]
+    for category in ("params", "optimizer_state"):
+        assert ours.current[category] == theirs.current[category] > 0, category
+    assert ours.peak_total >= theirs.peak_total - theirs.peak["other"]
+    assert ours.peak_total <= ours.cuda["max_allocated"]
