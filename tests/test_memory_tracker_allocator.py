@@ -179,6 +179,18 @@ def test_refusals_name_the_fix():
         more = torch.empty(50)
     assert again.current()["temporaries"] == 200
     del kept, more
+    # PyTorch's profiler listens on the same hook: neither starts while the other runs
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True):
+        with pytest.raises(RuntimeError, match="profiler is running.*stop the profiler first"):
+            with MemoryTracker(source="allocator"):
+                pass
+    with MemoryTracker(source="allocator") as last:
+        with pytest.raises(RuntimeError, match="Profiler is already enabled"):
+            with torch.profiler.profile(activities=activities, profile_memory=True):
+                pass
+        kept = torch.empty(25)
+    assert last.current()["temporaries"] == 100
 
 
 def test_a_failed_build_names_the_fix(monkeypatch):

@@ -2,8 +2,9 @@
 // PyTorch's allocators report on this thread (and on threads that inherit its debug info, such
 // as autograd's), appended as (address, +-bytes) in C++, with no Python per allocation.
 // The allocators report through c10::reportMemoryUsageToProfiler, which asks the thread-local
-// PROFILER_STATE debug info; start() pushes this log there, stop() pops it (a profiler started
-// inside the log stacks above it and gets its own reports back when it ends).
+// PROFILER_STATE debug info; start() pushes this log there, stop() pops it. The slot takes one
+// listener: start() refuses to run under PyTorch's profiler, and the profiler refuses to start
+// while the log runs ("Profiler is already enabled on this thread").
 // Compiled at first use by fsdp_lab/memory/allocation_log.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
 #include <c10/core/Allocator.h>
@@ -34,6 +35,10 @@ std::shared_ptr<AllocationLog> active;
 void start(const std::string& device) {
   TORCH_CHECK(!active, "an allocation log is already running in this process (one MemoryTracker with "
               "source='allocator' at a time)");
+  // the hook holds one listener a thread: under a running profiler this one would take its reports
+  TORCH_CHECK(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE) == nullptr,
+              "PyTorch's profiler is running on this thread, and it listens on the hook the allocation "
+              "log needs; stop the profiler first");
   active = std::make_shared<AllocationLog>(c10::Device(device).type());
   c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, active);
 }

@@ -27,8 +27,8 @@ Where the two sources differ:
   watched by weak reference;
 - fake tensors allocate nothing, so there is nothing to log (refused: use dispatch);
 - results are frozen when the tracker exits (dispatch keeps following frees after it);
-- one allocator tracker at a time in a process; while it runs it takes the hook PyTorch's
-  profiler records memory from (a profiler started inside it gets the hook back when it ends).
+- one allocator tracker at a time in a process, and not together with PyTorch's profiler, which
+  records memory from the same hook: each refuses to start while the other runs on the thread.
   On CPU, PyTorch logs once per process "Memory block of unknown size was allocated before the
   profiling started": a storage from before the tracker was freed; the tracker follows those
   itself.
@@ -371,7 +371,8 @@ class AllocatorTracker(TrackerBase):
             for handle in self._handles:
                 handle.remove()
             self._handles, self._active = [], False
-            raise RuntimeError(f"{error}; exit the running one first, or use source='dispatch'") from None
+            raise RuntimeError(f"MemoryTracker(source='allocator') cannot start: {error}; or use "
+                               "source='dispatch'") from None
         self._running = True
         self._saved_hooks.__enter__()
         torch.UntypedStorage.resize_ = resize_
