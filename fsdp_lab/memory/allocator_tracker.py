@@ -105,7 +105,7 @@ class AllocatorTracker(TrackerBase):
         # its id(); ``_watches`` keeps each alive, ``_watched`` is the record it follows.
         self._watches: dict[int, weakref.ref] = {}
         self._watched: dict[int, _Record] = {}
-        self._inputs: list[tuple[int, int]] = []
+        self._inputs: list[tuple[int, int, int]] = []  # (address, bytes, watch) of the forward's inputs
 
     def _stamp(self, *event) -> None:
         """Record an event at the log's current length; before or after the log runs, apply it."""
@@ -370,7 +370,7 @@ class AllocatorTracker(TrackerBase):
         except RuntimeError as error:
             for handle in self._handles:
                 handle.remove()
-            self._handles, self._active = [], False
+            self._handles, self._active, self._saved_hooks = [], False, None
             raise RuntimeError(f"MemoryTracker(source='allocator') cannot start: {error}; or use "
                                "source='dispatch'") from None
         self._running = True
