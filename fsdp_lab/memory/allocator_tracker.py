@@ -264,10 +264,7 @@ class AllocatorTracker(TrackerBase):
             return
         watch = self._watch(st)
         self._roles[cdata] = (self._watches[watch], key, base)
-        if self._running:
-            self._stamps.append((self._log.position(), "role", key, st.nbytes(), base, watch))
-        else:
-            self._set_role(key, st.nbytes(), base, watch)
+        self._stamp("role", key, st.nbytes(), base, watch)
 
     def _classify(self, tensors, base: str) -> None:
         look_up, on_cpu = bool(tags._tags), self._device_type == "cpu"
@@ -349,34 +346,29 @@ class AllocatorTracker(TrackerBase):
         self._install_hooks()
         if self.model is not None:
             self._watch_inputs()
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._orig_resize = torch.UntypedStorage.resize_
-        orig, tracker, device_type = self._orig_resize, self, self._device_type
-
-        def resize_(storage, size):
-            if not tracker._running or storage.device.type != device_type:
-                return orig(storage, size)
-            tag = tags.category_of(storage) if tags._tags else None
-            tracker._stamp("resize_from", storage.data_ptr(), int(size), tag)
-            result = orig(storage, size)
-            tracker._stamp("resize_to")
-            return result
-
-        if self._device_type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
         try:
             log.start(self._device_type)
         except RuntimeError as error:
             for handle in self._handles:
                 handle.remove()
-            self._handles, self._active, self._saved_hooks = [], False, None
+            self._handles, self._active = [], False
             raise RuntimeError(f"MemoryTracker(source='allocator') cannot start: {error}; or use "
                                "source='dispatch'") from None
         self._running = True
-        self._saved_hooks.__enter__()
-        torch.UntypedStorage.resize_ = resize_
-        tags.add_listener(self._on_tag)
+        tracker, device_type = self, self._device_type
+
+        def wrap_resize(orig):
+            def resize_(storage, size):
+                if not tracker._running or storage.device.type != device_type:
+                    return orig(storage, size)
+                tag = tags.category_of(storage) if tags._tags else None
+                tracker._stamp("resize_from", storage.data_ptr(), int(size), tag)
+                result = orig(storage, size)
+                tracker._stamp("resize_to")
+                return result
+            return resize_
+
+        self._hook_in(wrap_resize)
         tags.add_scope_listener(self._on_scope)
         self._stamp("scope", tags.current_scope())
         self._mark("start")
@@ -389,25 +381,11 @@ class AllocatorTracker(TrackerBase):
             self._running = False
             self._log.stop()
             tags.remove_scope_listener(self._on_scope)
-            tags.remove_listener(self._on_tag)
-            torch.UntypedStorage.resize_ = self._orig_resize
-            self._saved_hooks.__exit__(*exc)
-            self._saved_hooks = None  # it holds this tracker's bound methods: a cycle through the model
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-        if self.model is not None:
-            self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
-        if self.optimizer is not None:
-            self._classify(_state_tensors(self.optimizer), "optimizer_state")
-        self._mark("end")
-        self._active = False
+            self._unhook(exc)
+        self._finish()
         # results are final: drop the watches (no more stamps) and what the replay kept
         for kept in (self._stamps, self._watches, self._watched, self._roles, self._saved_by_token):
             kept.clear()
-        if self._device_type == "cuda":
-            from fsdp_lab.memory.results import cuda_stats
-            self._cuda = cuda_stats(self.device, self._peak_total)
         return False
 
     # ---- results: replay what was logged so far first ----------------------------------

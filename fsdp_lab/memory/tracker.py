@@ -40,9 +40,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from fsdp_lab.memory import tags
-from fsdp_lab.memory.results import MemoryResult, cuda_stats, format_rows, merge_ranks  # noqa: F401
+from fsdp_lab.memory.results import MemoryResult, format_rows, merge_ranks  # noqa: F401
 from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS
-from fsdp_lab.memory.tracker_base import TrackerBase, _is_plain, _plain_tensors, _state_tensors, _tagged
+from fsdp_lab.memory.tracker_base import TrackerBase, _is_plain, _plain_tensors, _tagged
 
 # ops after which a known storage may have changed size
 _RESIZING_OPS = {torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Storage,
@@ -157,41 +157,23 @@ class MemoryTracker(TrackerBase, TorchDispatchMode):
         self._count_fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         self._register_existing()
         self._install_hooks()
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved_hooks.__enter__()
-        self._orig_resize = torch.UntypedStorage.resize_
-        orig, tracker = self._orig_resize, self
+        tracker = self
 
-        def resize_(storage, size):
-            result = orig(storage, size)
-            tracker._resized(storage)
-            return result
+        def wrap_resize(orig):
+            def resize_(storage, size):
+                result = orig(storage, size)
+                tracker._resized(storage)
+                return result
+            return resize_
 
-        torch.UntypedStorage.resize_ = resize_
-        if self._device_type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        tags.add_listener(self._on_tag)
+        self._hook_in(wrap_resize)
         self._mark("start")
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        tags.remove_listener(self._on_tag)
-        torch.UntypedStorage.resize_ = self._orig_resize
-        self._saved_hooks.__exit__(*exc)
-        self._saved_hooks = None  # it holds this tracker's bound methods: a cycle through the model
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self.model is not None:
-            self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
-        if self.optimizer is not None:
-            self._classify(_state_tensors(self.optimizer), "optimizer_state")
-        self._mark("end")
-        self._active = False
-        if self._device_type == "cuda":
-            self._cuda = cuda_stats(self.device, self._peak_total)
+        self._unhook(exc)
+        self._finish()
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

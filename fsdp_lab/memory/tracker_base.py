@@ -3,14 +3,15 @@ phase boundaries and give gradients and optimizer state their roles, and the res
 
 ``MemoryTracker`` (``memory.tracker``, fed by dispatch) and ``AllocatorTracker``
 (``memory.allocator_tracker``, fed by the allocators' reports) subclass ``TrackerBase`` and
-supply how a storage is registered or moved to a role (``_classify``, ``_see_storage``), what
-identifies a storage in their ledger (``_key_of``), ``_mark`` where marks are not immediate, and
-their own ``__enter__``/``__exit__``. The bookkeeping is ``memory.ledger.StorageLedger``.
+supply how a storage is registered or moved to a role (``_classify``, ``_see_storage``, ``_on_tag``),
+what identifies a storage in their ledger (``_key_of``), what a saved tensor and a storage resize
+do (``_pack``/``_unpack``, the ``resize_`` wrapper), ``_mark`` where marks are not immediate, and
+their ``__enter__``/``__exit__``, built from ``_hook_in``, ``_unhook`` and ``_finish`` here. The bookkeeping is ``memory.ledger.StorageLedger``.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,7 @@ import torch.nn as nn
 from fsdp_lab.memory import tags
 from fsdp_lab.memory.ledger import StorageLedger
 from fsdp_lab.memory.ownership import reachable_storage_ids
-from fsdp_lab.memory.results import MemoryResult
+from fsdp_lab.memory.results import MemoryResult, cuda_stats
 
 
 class TrackerBase(StorageLedger):
@@ -138,6 +139,44 @@ class TrackerBase(StorageLedger):
         for st, cat in list(tags._tags.items()):
             if st.device.type == self._device_type and st._cdata in owned:
                 self._see_storage(st, cat)
+
+    # ---- entering and leaving ----------------------------------------------------------
+
+    def _hook_in(self, wrap_resize: Callable[[Callable], Callable]) -> None:
+        """Install the saved-tensor hooks (``_pack``/``_unpack``), ``wrap_resize(original)`` in
+        place of ``UntypedStorage.resize_`` (how FSDP frees and refills unsharded parameters,
+        which dispatch does not see), the tag listener, and on CUDA start the allocator's peak
+        here. ``_unhook`` removes them, and the model and optimizer hooks."""
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self._orig_resize = torch.UntypedStorage.resize_
+        torch.UntypedStorage.resize_ = wrap_resize(self._orig_resize)
+        tags.add_listener(self._on_tag)
+        if self._device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _unhook(self, exc) -> None:
+        tags.remove_listener(self._on_tag)
+        torch.UntypedStorage.resize_ = self._orig_resize
+        self._saved_hooks.__exit__(*exc)
+        self._saved_hooks = None  # it holds this tracker's bound methods: a cycle through the model
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _finish(self) -> None:
+        """After the step: gradients and optimizer state in their roles as they are now (FSDP
+        assigns sharded gradients without the accumulation hook), the end mark, and on CUDA the
+        allocator's own figures."""
+        if self.model is not None:
+            self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
+        if self.optimizer is not None:
+            self._classify(_state_tensors(self.optimizer), "optimizer_state")
+        self._mark("end")
+        self._active = False
+        if self._device_type == "cuda":
+            self._cuda = cuda_stats(self.device, self._peak_total)
 
     # ---- results -----------------------------------------------------------------------
 
