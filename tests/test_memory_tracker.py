@@ -331,6 +331,29 @@ def test_tracker_counts_only_the_tracked_models_storages():
             assert again[name] == first[name], f"rank {rank}, {name}: {again[name]} != {first[name]}"
 
 
+def _warmed_step(model, opt, batch):
+    """``step()``: forward, backward and the optimizer on ``batch``, run once already, so the
+    optimizer state exists, as in every later step."""
+    def step():
+        model(batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return step
+
+
+def _llama_step(batch_size, seq_len):
+    """The CPU Llama, AdamW (one tensor at a time), a batch, and its warmed-up ``step``."""
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    model = Llama("cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    batch = global_batch(model.config.vocab_size, batch_size, seq_len)
+    return model, opt, batch, _warmed_step(model, opt, batch)
+
+
 @pytest.mark.parametrize("batch_size, seq_len", [(4, 64), (1, 4)], ids=["activations-bound", "optimizer-bound"])
 def test_peak_matches_pytorchs_own_mem_tracker(batch_size, seq_len):
     """PyTorch's MemTracker (torch.distributed._tools) is an independent implementation: the peak
@@ -339,19 +362,7 @@ def test_peak_matches_pytorchs_own_mem_tracker(batch_size, seq_len):
     forward allocates (ours: what autograd saved) and its "optimizer states" include what AdamW's
     step allocates (ours: temporaries), so only their sum agrees (it follows from the two totals)."""
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
-    from fsdp_lab.models.data import global_batch
-    from fsdp_lab.models.llama import Llama
-
-    model = Llama("cpu", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    batch = global_batch(model.config.vocab_size, batch_size, seq_len)
-
-    def step():
-        model(batch).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer state exists from here on, as in every later step
+    model, opt, batch, step = _llama_step(batch_size, seq_len)
     reference = mem_tracker.MemTracker()
     reference.track_external(model, opt, batch.input_ids, batch.labels)  # we count the batch too
     with reference:

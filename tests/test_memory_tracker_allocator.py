@@ -12,6 +12,7 @@ from torch._C._profiler import _EventType
 
 from fsdp_lab.memory import allocation_log
 from fsdp_lab.memory.tracker import MemoryTracker
+from test_memory_tracker import _llama_step, _warmed_step
 
 _MISSING = allocation_log.toolchain_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"MemoryTracker(source='allocator') needs {_MISSING}")
@@ -36,21 +37,14 @@ def _profiled_peak_above_start(step) -> int:
     return peak
 
 
-def _llama_step(batch_size, seq_len):
-    from fsdp_lab.models.data import global_batch
-    from fsdp_lab.models.llama import Llama
-
-    model = Llama("cpu", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    batch = global_batch(model.config.vocab_size, batch_size, seq_len)
-
-    def step():
-        model(batch).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer state exists from here on, as in every later step
-    return model, opt, batch, step
+def _by_both_sources(model, opt, step):
+    """One tracked ``step()`` with each source: (the allocator's result, dispatch's result)."""
+    results = {}
+    for source in ("dispatch", "allocator"):
+        with MemoryTracker(model, opt, source=source) as tracker:
+            step()
+        results[source] = tracker.result()
+    return results["allocator"], results["dispatch"]
 
 
 @pytest.mark.parametrize("batch_size, seq_len", [(4, 64), (1, 4)], ids=["activations-bound", "optimizer-bound"])
@@ -59,12 +53,7 @@ def test_same_numbers_as_dispatch_on_a_training_step(batch_size, seq_len):
     tracker's; the peak's temporaries may be a few bytes higher: the scalars an op wraps into
     tensors inside itself (AdamW's arithmetic) are allocations dispatch never sees."""
     model, opt, batch, step = _llama_step(batch_size, seq_len)
-    results = {}
-    for source in ("dispatch", "allocator"):
-        with MemoryTracker(model, opt, source=source) as tracker:
-            step()
-        results[source] = tracker.result()
-    ours, theirs = results["allocator"], results["dispatch"]
+    ours, theirs = _by_both_sources(model, opt, step)
     assert ours.timeline == theirs.timeline
     assert ours.current == theirs.current
     assert ours.peak_label == theirs.peak_label
@@ -96,19 +85,8 @@ def test_qlora_step():
     model = apply_lora(Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0), rank=4, alpha=8, quantize_base=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     batch = global_batch(512, 4, 32)
-
-    def step():
-        model(batch).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    results = {}
-    for source in ("dispatch", "allocator"):
-        with MemoryTracker(model, opt, source=source) as tracker:
-            step()
-        results[source] = tracker.result()
-    ours, theirs = results["allocator"], results["dispatch"]
+    step = _warmed_step(model, opt, batch)
+    ours, theirs = _by_both_sources(model, opt, step)
     assert dict(ours.current, other=0) == dict(theirs.current, other=0)
     assert ours.current["quantized"] > 0 and ours.current["optimizer_state"] > 0
     assert ours.peak_label == theirs.peak_label
@@ -126,19 +104,7 @@ def _rank_sharded_cases(names):
     for name in names:
         model, opt = _owned_case(name)
         batch = global_batch(model.config.vocab_size, 2, 32, seed=torch.distributed.get_rank())
-
-        def step():
-            model(batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()
-        results = {}
-        for source in ("dispatch", "allocator"):
-            with MemoryTracker(model, opt, source=source) as tracker:
-                step()
-            results[source] = tracker.result()
-        found[name] = results
+        found[name] = _by_both_sources(model, opt, _warmed_step(model, opt, batch))
     return found
 
 
@@ -154,7 +120,7 @@ def test_sharded_models_on_two_ranks():
     names = ["fsdp2", "fsdp2+offload", "fsdp1", "fsdp1+offload"]
     for rank, found in enumerate(launch(_rank_sharded_cases, names, world_size=2, timeout=300)):
         for name in names:
-            ours, theirs = found[name]["allocator"], found[name]["dispatch"]
+            ours, theirs = found[name]
             assert sum(ours.peak.values()) == ours.peak_total
             assert dict(ours.current, other=0) == dict(theirs.current, other=0), (rank, name)
             assert ours.current["sharded_params"] > 0 and ours.current["optimizer_state"] > 0
@@ -217,19 +183,8 @@ def test_cuda_step():
     model = Llama("cpu", seed=0).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = global_batch(model.config.vocab_size, 4, 64).to("cuda")
-
-    def step():
-        model(batch).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    results = {}
-    for source in ("dispatch", "allocator"):
-        with MemoryTracker(model, opt, source=source) as tracker:
-            step()
-        results[source] = tracker.result()
-    ours, theirs = results["allocator"], results["dispatch"]
+    step = _warmed_step(model, opt, batch)
+    ours, theirs = _by_both_sources(model, opt, step)
     for category in ("params", "optimizer_state"):
         assert ours.current[category] == theirs.current[category] > 0, category
     assert ours.peak_total >= theirs.peak_total - theirs.peak["other"]
