@@ -121,3 +121,17 @@ def test_overlap_fraction_verdicts(table):
     assert lab07.check_overlap_fraction(no_union, table).mistake == "nested_counted_twice"
     assert lab07.check_overlap_fraction(compute_union_only, table).mistake == "concurrent_comm_counted_twice"
     assert lab07.check_overlap_fraction(divides_by_zero, table).mistake == "no_comm"
+
+
+def test_repeats_agree_only_when_counts_bytes_and_loss_repeat():
+    class Run:
+        def __init__(self, **changed):
+            self.fields = {**dict.fromkeys(lab07.REPEATED_EXACTLY, 1), "step_ms": 5.0, **changed}
+
+        def row(self, name):
+            return self.fields
+
+    first = Run()
+    assert lab07.repeats_agree([first, Run(step_ms=9.0)], first, ["a", "b"])  # times may differ
+    for key in lab07.REPEATED_EXACTLY:
+        assert not lab07.repeats_agree([first, Run(**{key: 2})], first, ["a"])

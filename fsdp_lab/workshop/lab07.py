@@ -96,6 +96,16 @@ def print_offload_verdict(repeats, table, names: list[str], whole_model: str) ->
 OPTIMIZERS = ("for_loop", "foreach", "fused")
 
 
+# what a repeat of the same configuration must reproduce exactly (times may differ)
+REPEATED_EXACTLY = ("all_gathers", "reduce_scatters", "gathered_bytes", "reduced_bytes", "loss")
+
+
+def repeats_agree(repeats, table, names: list[str]) -> bool:
+    """True when every run in ``repeats`` has, for each configuration in ``names``, the same
+    ``REPEATED_EXACTLY`` fields (counts, bytes, loss) as ``table``."""
+    return all(run.row(n)[k] == table.row(n)[k] for run in repeats for n in names for k in REPEATED_EXACTLY)
+
+
 def _by_implementation(names: list[str]) -> list[tuple[str, list[str]]]:
     """The optimizer runs grouped per implementation: the first three ``names`` are FSDP2's, the
     rest FSDP1's, each in the order of ``OPTIMIZERS``."""

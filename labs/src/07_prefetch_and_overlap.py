@@ -139,14 +139,13 @@ CELLS = [
     print(table.format(["name", "overlap", "step_ms"], names=["fsdp2 block", "fsdp2 block synchronous"]))
     """, tags=["nbval-ignore-output"]),
     md("""
-    The synchronous run (`fsdp_lab.fsdp2.param_group.set_synchronous(True)`, the `synchronous=True` setting)
-    waits for every collective as soon as it is issued: the same collectives, the same bytes, the same loss —
-    and an overlap of exactly 0, because nothing runs while a collective is in flight. The figure's titles and
-    the table under it come from the same run (the `table` above). The asynchronous run's overlap is a
-    measurement of time, like the step times: a collective ends when gloo's worker thread finishes it, so on a
-    busy machine, where the main thread may wait for a core right after issuing a small all-gather, it can end
-    before any compute starts. It is above 0 on a quiet machine and can come out 0 on a loaded one, which is
-    why it is only in the figure and the table above, whose outputs are not compared.
+    The synchronous run (`fsdp_lab.fsdp2.param_group.set_synchronous(True)`, the `synchronous=True` setting) waits
+    for every collective as soon as it is issued: the same collectives, the same bytes, the same loss — and an
+    overlap of exactly 0, because nothing runs while a collective is in flight. The figure's titles and the table
+    under it come from the same run (the `table` above). The asynchronous overlap is a time, like the step times:
+    a collective ends when gloo's worker finishes it, which on a busy machine can be before the main thread
+    computes again, so it can come out 0 there; it is shown only in the figure and the table above, whose outputs
+    are not compared.
     """),
     code("""
     sync, overlapped = table.row("fsdp2 block synchronous"), table.row("fsdp2 block")
@@ -317,9 +316,7 @@ CELLS = [
     loss; the offload runs differ in how many collectives they issue and how many bytes they gather.
     """),
     code("""
-    keys = ["all_gathers", "reduce_scatters", "gathered_bytes", "reduced_bytes", "loss"]
-    print("every repeat: same collectives, bytes and loss as the first run:",
-          all(run.row(n)[k] == table.row(n)[k] for run in repeats for n in TIMED for k in keys))
+    print("every repeat: same collectives, bytes and loss as the first run:", lab07.repeats_agree(repeats, table, TIMED))
     print(table.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "reduced_mib"], names=OFFLOAD))
     """),
     md("""
