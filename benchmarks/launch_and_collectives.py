@@ -20,6 +20,11 @@ Run from the repository root:
     load that drifts or comes in bursts cancels; the headline is the median pair ratio over
     ``--rounds`` x ``--pairs`` pairs, with its spread (quartiles, a bootstrap 95% interval of
     the median, and each round's median). Target: ratio <= 1.05.
+    Two more calls beside each pair say where the difference comes from: ours with no Timeline
+    recording (``untimed_ratio_median``: the wrapper's own bookkeeping) and the bare call between
+    the two clock marks a Timeline takes around a collective, recorded as ours records it
+    (``marks_ratio_median``: on CUDA, two CUDA events; on CPU, two ``perf_counter`` reads). Each
+    is timed against its own bare call, adjacent and in alternating order, as the pairs are.
 
 Writes benchmarks/results/launch_and_collectives_cpu.json (``_cuda.json`` on GPUs) with the
 device, torch version, date and the machine's load average before and after.
@@ -93,23 +98,41 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
     def ours():
         collectives.all_gather_into_tensor(full, shard)
 
+    timeline = Timeline()
+
+    def bare_marked():  # a Timeline's cost alone: its marks around a collective it does not issue
+        start = timeline.mark()
+        bare()
+        timeline.record_comm(start, "all_gather", full.numel() * 4, dtype="float32", group_size=world_size)
+
     def timed(call) -> float:
         return bandwidth.timed_on_all_ranks(call, device)[0]
 
-    for _ in range(5):  # warm up both paths
-        timed(bare)
-        timed(ours)
-    bare_s, ours_s = [], []
-    with Timeline() as timeline:  # records only ours: bare calls bypass fsdp_lab.collectives
+    def timed_untimed() -> float:  # ours with the Timeline set aside: nothing records the call
+        collectives.remove_recorder(timeline)
+        try:
+            return timed(ours)
+        finally:
+            collectives.add_recorder(timeline)
+
+    calls = {"ours": lambda: timed(ours), "ours_untimed": timed_untimed, "bare_marked": lambda: timed(bare_marked)}
+    times = {"bare": [], **{kind: [] for kind in calls}, "bare_for_untimed": [], "bare_for_marks": []}
+    bare_key = {"ours": "bare", "ours_untimed": "bare_for_untimed", "bare_marked": "bare_for_marks"}
+    with timeline:  # records only ours and the marked bare calls: bare calls bypass fsdp_lab.collectives
+        for _ in range(5):  # warm up every path (ours unrecorded: the events counted are the timed calls')
+            timed(bare)
+            timed_untimed()
+            timed(bare_marked)
         for i in range(rounds * pairs):
-            if i % 2 == 0:
-                bare_s.append(timed(bare))
-                ours_s.append(timed(ours))
-            else:
-                ours_s.append(timed(ours))
-                bare_s.append(timed(bare))
+            for kind, call in calls.items():
+                if i % 2 == 0:
+                    times[bare_key[kind]].append(timed(bare))
+                    times[kind].append(call())
+                else:
+                    times[kind].append(call())
+                    times[bare_key[kind]].append(timed(bare))
     assert torch.equal(full.view(world_size, -1)[dist.get_rank()], shard)
-    return {"bare": bare_s, "ours": ours_s, "events": len(timeline.comm_events())}
+    return {**times, "events": sum(1 for e in timeline.comm_events() if "staged" in e.args)}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -127,11 +150,17 @@ def _bootstrap_median_interval(values: list[float], samples: int = 2000) -> tupl
     return medians[int(0.025 * samples)], medians[int(0.975 * samples) - 1]
 
 
+def _pair_ratios(per_rank: list[dict], kind: str, bare_kind: str) -> list[float]:
+    """Each call of ``kind`` over its adjacent bare call, each the slowest rank's time."""
+    slowest = lambda key: [max(times) for times in zip(*(r[key] for r in per_rank))]  # noqa: E731
+    return [o / b for o, b in zip(slowest(kind), slowest(bare_kind))]
+
+
 def all_gather_overhead(per_rank: list[dict], rounds: int, pairs: int) -> dict:
     """Pair ratios (ours / bare, slowest rank per call) and their summary."""
     bare = [max(times) for times in zip(*(r["bare"] for r in per_rank))]
     ours = [max(times) for times in zip(*(r["ours"] for r in per_rank))]
-    ratios = [o / b for o, b in zip(ours, bare)]
+    ratios = _pair_ratios(per_rank, "ours", "bare")
     round_medians = [statistics.median(ratios[k * pairs:(k + 1) * pairs]) for k in range(rounds)]
     low, high = _bootstrap_median_interval(ratios)
     return {
@@ -144,6 +173,9 @@ def all_gather_overhead(per_rank: list[dict], rounds: int, pairs: int) -> dict:
         "round_median_ratios": round_medians,
         "events_recorded_rank0": per_rank[0]["events"],
         "target_ratio": 1.05,
+        # where the difference comes from (each against its own adjacent bare calls)
+        "untimed_ratio_median": statistics.median(_pair_ratios(per_rank, "ours_untimed", "bare_for_untimed")),
+        "marks_ratio_median": statistics.median(_pair_ratios(per_rank, "bare_marked", "bare_for_marks")),
     }
 
 
@@ -186,6 +218,8 @@ def main() -> None:
     print(f"    {'  quartiles':<38}{q1:8.4f} .. {q3:.4f}")
     print(f"    {'  95% interval of the median':<38}{lo:8.4f} .. {hi:.4f}")
     print(f"    {'  per round':<38}" + " ".join(f"{r:.3f}" for r in ag["round_median_ratios"]))
+    print(f"    {'fsdp_lab.collectives, no Timeline':<38}{ag['untimed_ratio_median']:8.4f}   (median of pairs)")
+    print(f"    {'bare call inside Timeline marks':<38}{ag['marks_ratio_median']:8.4f}   (median of pairs)")
 
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"launch_and_collectives_{device}.json"
