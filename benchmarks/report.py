@@ -83,7 +83,8 @@ def section(result: pathlib.Path) -> str:
     script = script_for(result)
     lines = [f"## {result.stem}", "", _summary(script), ""]
     if script is not None and result.stem.endswith("_cpu"):
-        lines += [f"Run: `python benchmarks/{script.name}`; recorded in `benchmarks/results/{result.name}`.", ""]
+        arguments = f" {data['arguments']}" if data.get("arguments") else ""
+        lines += [f"Run: `python benchmarks/{script.name}{arguments}`; recorded in `benchmarks/results/{result.name}`.", ""]
     elif script is not None:  # GPU files come from gpu_all.sh, which names each run's arguments
         lines += [f"Run on a GPU by `bash benchmarks/gpu_all.sh` (`{script.name}`, arguments there); "
                   f"recorded in `benchmarks/results/{result.name}`.", ""]
@@ -113,14 +114,19 @@ def soak_lines(data: dict) -> list[str]:
     test ids, if any, in the last column)."""
     planned = data.get("runs_planned", data["runs_total"])
     stopped = f" (stopped after {data['runs_total']} of {planned} planned runs)" if planned > data["runs_total"] else ""
+    simulated = any(run.get("simulated_cpus") for run in data["runs"])
+    columns = SOAK_COLUMNS + (("simulated_cpus",) if simulated else ())
     lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**{stopped}: `{data['command']}`, "
              f"{data['busy_loops']} busy-loop processes loading the CPU. `load_average_1min` is read as "
              "each run starts" + (", so the first run's is low: the busy loops have only just started."
-                                  if data["busy_loops"] else "."), "",
-             "| " + " | ".join(SOAK_COLUMNS) + " | failing tests |",
-             "|" + "---|" * (len(SOAK_COLUMNS) + 1)]
+                                  if data["busy_loops"] else ".")
+             + (" `simulated_cpus`: the run saw that many cores (`--cpus`): `os.cpu_count()` and torch's "
+                "threads in every process, so each rank computed with that many divided by the world size."
+                if simulated else ""), "",
+             "| " + " | ".join(columns) + " | failing tests |",
+             "|" + "---|" * (len(columns) + 1)]
     for run in data["runs"]:
-        cells = [_cell(key, run.get(key)) for key in SOAK_COLUMNS]
+        cells = [_cell(key, run.get(key)) for key in columns]
         failing = ", ".join(f"`{name}`" for name in run.get("failures", [])) or "none"
         lines.append("| " + " | ".join(cells + [failing.replace("|", "\\|")]) + " |")
     return lines + [""] + notebook_time_lines(data["runs"])

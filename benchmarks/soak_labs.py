@@ -7,6 +7,8 @@ Run from the repository root:
     python benchmarks/soak_labs.py --runs 1 labs/00_start_here.ipynb
     python benchmarks/soak_labs.py --runs 1 --busy 0 --record \
         --out benchmarks/results/soak_labs_quiet_cpu.json   # each lab's run time, quiet machine
+    python benchmarks/soak_labs.py --runs 3 --busy 0 --cpus 6 8 16 --record \
+        --out benchmarks/results/soak_labs_more_cpus_cpu.json  # as on machines with more cores
 
 Every output nbval compares must be the same on a quiet or a busy machine. This starts
 ``--busy`` processes that spin on the CPU (``python -c "while True: pass"``), runs
@@ -14,6 +16,13 @@ Every output nbval compares must be the same on a quiet or a busy machine. This 
 failures (by test id; a failing run's whole output goes to a log file it names) and a summary
 line, and stops the busy loops and any pytest still running at the end, also on Ctrl-C or
 SIGTERM. Exit status 0 when every run passed, 1 otherwise.
+``--cpus N [N ...]`` runs each run as on a machine with the next of these core counts (cycled):
+every Python process of the run (pytest, the notebook kernels, the fork server and the ranks)
+sees ``os.cpu_count() == N`` and starts with N torch threads, so a kernel computes with N threads
+and each of a launch's ranks with N // world_size, as they would there (a ``sitecustomize``
+module on ``PYTHONPATH`` does it). A bigger machine changes the labs' arithmetic only through
+how many threads split a parallel operation; this runs that arithmetic here, slower, since the
+threads then share this machine's cores.
 ``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere) after every
 run, so a soak stopped early keeps the runs it finished, with each notebook's seconds (from
 pytest's JUnit report: its cells' times, kernel start included); ``benchmarks/report.py`` lays
@@ -27,6 +36,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,6 +48,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 _STOP_GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL for a pytest run being stopped
+_CPUS_ENV = "SOAK_SIMULATED_CPUS"
+# Imported by every Python process of a ``--cpus`` run (it comes first on PYTHONPATH).
+_SITECUSTOMIZE = f"""\
+import os
+
+_cpus = int(os.environ["{_CPUS_ENV}"])
+os.cpu_count = lambda: _cpus
+if hasattr(os, "process_cpu_count"):
+    os.process_cpu_count = lambda: _cpus
+
+import torch
+
+torch.set_num_threads(_cpus)
+"""
 
 
 def start_busy_loops(n: int) -> list[subprocess.Popen]:
@@ -67,16 +91,24 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_pytest(paths: list[str], timeout: float, log: Path | None = None) -> dict:
+def run_pytest(paths: list[str], timeout: float, log: Path | None = None, cpus: int | None = None) -> dict:
     """One ``pytest --nbval`` run over ``paths``; its counts, failing test ids and duration (s).
     ``log``: where pytest's whole output is written when the run fails (the diffs nbval shows).
+    ``cpus``: run as on a machine with that many cores (see ``--cpus``).
 
     pytest runs in a session of its own so that stopping it also stops the notebook kernels
     and ranks it started. Raises KeyboardInterrupt after stopping it on Ctrl-C.
     """
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path)  # kernels and ranks import this copy of fsdp_lab
     with tempfile.TemporaryDirectory() as tmp:
+        first = []
+        if cpus is not None:
+            Path(tmp, "sitecustomize.py").write_text(_SITECUSTOMIZE)
+            first = [tmp]
+        # kernels and ranks import this copy of fsdp_lab
+        path = os.pathsep.join(p for p in (*first, str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path)
+        if cpus is not None:
+            env[_CPUS_ENV] = str(cpus)
         report = Path(tmp, "junit.xml")
         command = [sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={report}", *paths]
@@ -135,7 +167,8 @@ def run_passed(run: dict) -> bool:
 def describe(run: dict) -> str:
     """One line for a run: its counts, duration and the failing test ids."""
     text = (f"{run['passed']} passed, {run['failed']} failed, {run['errors']} errors, "
-            f"{run['skipped']} skipped in {run['seconds']:.0f} s (load at its start {run['load_average_1min']:.1f})")
+            f"{run['skipped']} skipped in {run['seconds']:.0f} s (load at its start {run['load_average_1min']:.1f}"
+            + (f", as on {run['simulated_cpus']} CPUs" if run.get("simulated_cpus") else "") + ")")
     if run["failures"]:
         text += "; failing: " + ", ".join(run["failures"])
     return text
@@ -148,13 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs in a row (default 5)")
     parser.add_argument("--busy", type=int, default=2, help="busy-loop processes (default 2)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per run")
+    parser.add_argument("--cpus", type=int, nargs="+", default=None, metavar="N",
+                        help="run each run as on a machine with N cores (the next N for each run)")
     parser.add_argument("--record", action="store_true",
                         help="write the result as JSON for benchmarks/report.py")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON path for --record (default benchmarks/results/soak_labs_<device>.json)")
     args = parser.parse_args(argv)
+    args.arguments = shlex.join(sys.argv[1:] if argv is None else argv)  # recorded: how to run it again
     if args.runs < 1 or args.busy < 0:
         parser.error("--runs must be >= 1 and --busy >= 0")
+    if args.cpus is not None and min(args.cpus) < 1:
+        parser.error("--cpus takes core counts >= 1, e.g. --cpus 8 or --cpus 6 8 16")
 
     # Ctrl-C, and SIGTERM alike, end the soak through KeyboardInterrupt so that the finally
     # below stops what was started; SIGINT is set explicitly because a shell starting a job in
@@ -166,12 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.gettempdir()) / f"soak_labs_{os.getpid()}"
     busy = start_busy_loops(args.busy)
     print(f"soak: {args.runs} run(s) of pytest --nbval {' '.join(args.paths)} "
-          f"with {args.busy} busy loop(s)", flush=True)
+          f"with {args.busy} busy loop(s)" + (f", as on {'/'.join(map(str, args.cpus))} CPUs" if args.cpus else ""),
+          flush=True)
     try:
         for i in range(args.runs):
             load = os.getloadavg()[0]
             log = logs / f"run_{i + 1}.log"
-            run = {"run": i + 1, "load_average_1min": round(load, 2), **run_pytest(args.paths, args.timeout, log)}
+            cpus = args.cpus[i % len(args.cpus)] if args.cpus else None
+            run = {"run": i + 1, "load_average_1min": round(load, 2),
+                   **({"simulated_cpus": cpus} if cpus else {}), **run_pytest(args.paths, args.timeout, log, cpus)}
             runs.append(run)
             verdict = "PASS" if run_passed(run) else f"FAIL (pytest's output: {log})"
             print(f"run {i + 1}/{args.runs}: {verdict}: {describe(run)}", flush=True)
@@ -200,7 +241,7 @@ def _record(args, runs: list[dict], passed: int) -> None:
         "kind": "soak",
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-        "device": device, "command": f"python -m pytest --nbval {' '.join(args.paths)}",
+        "device": device, "command": f"python -m pytest --nbval {' '.join(args.paths)}", "arguments": args.arguments,
         "busy_loops": args.busy, "runs_passed": passed, "runs_total": len(runs), "runs_planned": args.runs,
         "runs": runs,
     }, indent=2) + "\n")

@@ -83,3 +83,16 @@ def test_soak_section_lists_each_notebooks_seconds_over_the_runs(tmp_path):
 
 def test_soak_record_without_notebook_times_has_no_notebook_table(tmp_path):
     assert "| notebook |" not in soak_section(tmp_path, [soak_run(1)])
+
+
+def test_soak_with_simulated_cores_shows_each_runs_core_count(tmp_path):
+    text = soak_section(tmp_path, [soak_run(1, simulated_cpus=6), soak_run(2, simulated_cpus=16)], busy_loops=0)
+    assert "`simulated_cpus`: the run saw that many cores" in text
+    assert "| 1 | 1 | 0 | 0 | 0 | 5 | 2 | 6 | none |" in text
+    assert "| 2 | 1 | 0 | 0 | 0 | 5 | 2 | 16 | none |" in text
+    assert "simulated_cpus" not in soak_section(tmp_path, [soak_run(1)])
+
+
+def test_soak_recorded_with_arguments_says_how_to_run_it_again(tmp_path):
+    text = soak_section(tmp_path, [soak_run(1)], arguments="--runs 1 --cpus 8")
+    assert "Run: `python benchmarks/soak_labs.py --runs 1 --cpus 8`" in text

@@ -39,3 +39,16 @@ def test_a_failing_run_writes_its_whole_output_to_the_log_and_a_passing_run_writ
     quiet_log = tmp_path / "logs" / "run_2.log"
     run = soak_labs.run_pytest([str(tmp_path / "test_one.py") + "::test_passes"], timeout=120, log=quiet_log)
     assert run["passed"] == 1 and not quiet_log.exists()
+
+
+def test_cpus_makes_every_process_of_the_run_see_that_many_cores(tmp_path):
+    # what a rank computes with comes from os.cpu_count() (launch) and a kernel's from torch's threads
+    (tmp_path / "test_cores.py").write_text(
+        "import os, subprocess, sys, torch\n\n"
+        "def test_cores():\n"
+        "    assert os.cpu_count() == 7 and torch.get_num_threads() == 7\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import os, torch; print(os.cpu_count(), "
+        "torch.get_num_threads())'], capture_output=True, text=True, timeout=120)\n"
+        "    assert child.stdout.split() == ['7', '7'], child.stderr\n")
+    run = soak_labs.run_pytest([str(tmp_path / "test_cores.py")], timeout=300, log=tmp_path / "log", cpus=7)
+    assert (run["passed"], run["failed"]) == (1, 0), (tmp_path / "log").read_text() if (tmp_path / "log").exists() else run
