@@ -127,6 +127,16 @@ def test_sharded_models_on_two_ranks():
             assert ours.peak_total >= theirs.peak_total - theirs.peak["other"], (rank, name)
 
 
+def test_it_is_a_memory_tracker_to_its_users():
+    from fsdp_lab.memory.allocator_tracker import AllocatorTracker
+    from fsdp_lab.oom import BudgetTracker
+
+    tracker = MemoryTracker(source="allocator")  # made without starting it: nothing is compiled yet
+    assert type(tracker) is AllocatorTracker and isinstance(tracker, MemoryTracker)
+    assert isinstance(MemoryTracker(), MemoryTracker) and not isinstance(MemoryTracker(), AllocatorTracker)
+    assert not isinstance(tracker, BudgetTracker)  # a subclass of MemoryTracker stays apart
+
+
 def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="source='profiler'.*'dispatch'.*'allocator'"):
         MemoryTracker(source="profiler")

@@ -33,6 +33,7 @@ is ``memory.tracker_base.TrackerBase``: the hooks on the model and optimizer, an
 
 from __future__ import annotations
 
+import abc
 from typing import Iterable
 
 import torch
@@ -69,7 +70,7 @@ class _Saved:
             tracker._change(self.info, saved_delta=-1)
 
 
-class MemoryTracker(TrackerBase, TorchDispatchMode):
+class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
     """Measure memory by category over one (or a few) training steps.
 
         with MemoryTracker(model, optimizer) as mt:
@@ -99,7 +100,10 @@ class MemoryTracker(TrackerBase, TorchDispatchMode):
                              "fake tensors) or 'allocator' (cheaper; compiles a C++ extension at first use)")
         if source == "allocator" and cls is MemoryTracker:
             from fsdp_lab.memory.allocator_tracker import AllocatorTracker
-            return AllocatorTracker(*args, **kwargs)  # (not a MemoryTracker: __init__ is not called again)
+            # a TrackerBase, not a subclass (so __init__ is not called again); registered so that
+            # isinstance(tracker, MemoryTracker) holds for it as for the dispatch tracker
+            MemoryTracker.register(AllocatorTracker)
+            return AllocatorTracker(*args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, *args, source: str = "dispatch", **kwargs):
