@@ -9,6 +9,8 @@ Run from the repository root:
         --out benchmarks/results/soak_labs_quiet_cpu.json   # each lab's run time, quiet machine
     python benchmarks/soak_labs.py --runs 3 --busy 0 --cpus 6 8 16 --record \
         --out benchmarks/results/soak_labs_more_cpus_cpu.json  # as on machines with more cores
+    python benchmarks/soak_labs.py --runs 2 --busy 0 --gc never often --record \
+        --out benchmarks/results/soak_labs_gc_cpu.json  # with the garbage collector off, then eager
 
 Every output nbval compares must be the same on a quiet or a busy machine. This starts
 ``--busy`` processes that spin on the CPU (``python -c "while True: pass"``), runs
@@ -23,6 +25,10 @@ and each of a launch's ranks with N // world_size, as they would there (a ``site
 module on ``PYTHONPATH`` does it). A bigger machine changes the labs' arithmetic only through
 how many threads split a parallel operation; this runs that arithmetic here, slower, since the
 threads then share this machine's cores.
+``--gc never|often [...]`` runs each run with Python's garbage collector switched off in every
+process of the run (``never``: reference cycles are never collected) or made eager (``often``:
+thresholds 20, 4, 4 instead of 700, 10, 10), the next mode for each run. No measured number may
+depend on when the collector runs, so both must give the committed outputs.
 ``--record`` writes benchmarks/results/soak_labs_<device>.json (``--out`` elsewhere) after every
 run, so a soak stopped early keeps the runs it finished, with each notebook's seconds (from
 pytest's JUnit report: its cells' times, kernel start included); ``benchmarks/report.py`` lays
@@ -48,19 +54,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 _STOP_GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL for a pytest run being stopped
-_CPUS_ENV = "SOAK_SIMULATED_CPUS"
-# Imported by every Python process of a ``--cpus`` run (it comes first on PYTHONPATH).
+_CPUS_ENV, _GC_ENV = "SOAK_SIMULATED_CPUS", "SOAK_GC"
+GC_MODES = ("never", "often")
+# Imported by every Python process of a ``--cpus`` or ``--gc`` run (it comes first on PYTHONPATH).
 _SITECUSTOMIZE = f"""\
+import gc
 import os
 
-_cpus = int(os.environ["{_CPUS_ENV}"])
-os.cpu_count = lambda: _cpus
-if hasattr(os, "process_cpu_count"):
-    os.process_cpu_count = lambda: _cpus
+_gc = os.environ.get("{_GC_ENV}")
+if _gc == "never":
+    gc.disable()
+elif _gc == "often":
+    gc.set_threshold(20, 4, 4)
 
-import torch
+_cpus = os.environ.get("{_CPUS_ENV}")
+if _cpus:
+    _cpus = int(_cpus)
+    os.cpu_count = lambda: _cpus
+    if hasattr(os, "process_cpu_count"):
+        os.process_cpu_count = lambda: _cpus
 
-torch.set_num_threads(_cpus)
+    import torch
+
+    torch.set_num_threads(_cpus)
 """
 
 
@@ -91,17 +107,19 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_pytest(paths: list[str], timeout: float, log: Path | None = None, cpus: int | None = None) -> dict:
+def run_pytest(paths: list[str], timeout: float, log: Path | None = None, cpus: int | None = None,
+               gc_mode: str | None = None) -> dict:
     """One ``pytest --nbval`` run over ``paths``; its counts, failing test ids and duration (s).
     ``log``: where pytest's whole output is written when the run fails (the diffs nbval shows).
-    ``cpus``: run as on a machine with that many cores (see ``--cpus``).
+    ``cpus``: run as on a machine with that many cores (see ``--cpus``); ``gc_mode``: "never" or
+    "often" (see ``--gc``).
 
     pytest runs in a session of its own so that stopping it also stops the notebook kernels
     and ranks it started. Raises KeyboardInterrupt after stopping it on Ctrl-C.
     """
     with tempfile.TemporaryDirectory() as tmp:
         first = []
-        if cpus is not None:
+        if cpus is not None or gc_mode is not None:
             Path(tmp, "sitecustomize.py").write_text(_SITECUSTOMIZE)
             first = [tmp]
         # kernels and ranks import this copy of fsdp_lab
@@ -109,6 +127,8 @@ def run_pytest(paths: list[str], timeout: float, log: Path | None = None, cpus: 
         env = dict(os.environ, PYTHONPATH=path)
         if cpus is not None:
             env[_CPUS_ENV] = str(cpus)
+        if gc_mode is not None:
+            env[_GC_ENV] = gc_mode
         report = Path(tmp, "junit.xml")
         command = [sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={report}", *paths]
@@ -168,7 +188,8 @@ def describe(run: dict) -> str:
     """One line for a run: its counts, duration and the failing test ids."""
     text = (f"{run['passed']} passed, {run['failed']} failed, {run['errors']} errors, "
             f"{run['skipped']} skipped in {run['seconds']:.0f} s (load at its start {run['load_average_1min']:.1f}"
-            + (f", as on {run['simulated_cpus']} CPUs" if run.get("simulated_cpus") else "") + ")")
+            + (f", as on {run['simulated_cpus']} CPUs" if run.get("simulated_cpus") else "")
+            + (f", garbage collector {run['gc']}" if run.get("gc") else "") + ")")
     if run["failures"]:
         text += "; failing: " + ", ".join(run["failures"])
     return text
@@ -183,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per run")
     parser.add_argument("--cpus", type=int, nargs="+", default=None, metavar="N",
                         help="run each run as on a machine with N cores (the next N for each run)")
+    parser.add_argument("--gc", nargs="+", choices=GC_MODES, default=None, metavar="MODE",
+                        help="run each run with the garbage collector off (never) or eager (often), "
+                             "the next mode for each run")
     parser.add_argument("--record", action="store_true",
                         help="write the result as JSON for benchmarks/report.py")
     parser.add_argument("--out", type=Path, default=None,
@@ -204,15 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.gettempdir()) / f"soak_labs_{os.getpid()}"
     busy = start_busy_loops(args.busy)
     print(f"soak: {args.runs} run(s) of pytest --nbval {' '.join(args.paths)} "
-          f"with {args.busy} busy loop(s)" + (f", as on {'/'.join(map(str, args.cpus))} CPUs" if args.cpus else ""),
-          flush=True)
+          f"with {args.busy} busy loop(s)" + (f", as on {'/'.join(map(str, args.cpus))} CPUs" if args.cpus else "")
+          + (f", garbage collector {'/'.join(args.gc)}" if args.gc else ""), flush=True)
     try:
         for i in range(args.runs):
             load = os.getloadavg()[0]
             log = logs / f"run_{i + 1}.log"
             cpus = args.cpus[i % len(args.cpus)] if args.cpus else None
-            run = {"run": i + 1, "load_average_1min": round(load, 2),
-                   **({"simulated_cpus": cpus} if cpus else {}), **run_pytest(args.paths, args.timeout, log, cpus)}
+            gc_mode = args.gc[i % len(args.gc)] if args.gc else None
+            run = {"run": i + 1, "load_average_1min": round(load, 2), **({"simulated_cpus": cpus} if cpus else {}),
+                   **({"gc": gc_mode} if gc_mode else {}), **run_pytest(args.paths, args.timeout, log, cpus, gc_mode)}
             runs.append(run)
             verdict = "PASS" if run_passed(run) else f"FAIL (pytest's output: {log})"
             print(f"run {i + 1}/{args.runs}: {verdict}: {describe(run)}", flush=True)

@@ -96,3 +96,10 @@ def test_soak_with_simulated_cores_shows_each_runs_core_count(tmp_path):
 def test_soak_recorded_with_arguments_says_how_to_run_it_again(tmp_path):
     text = soak_section(tmp_path, [soak_run(1)], arguments="--runs 1 --cpus 8")
     assert "Run: `python benchmarks/soak_labs.py --runs 1 --cpus 8`" in text
+
+
+def test_soak_with_gc_modes_shows_each_runs_mode(tmp_path):
+    text = soak_section(tmp_path, [soak_run(1, gc="never"), soak_run(2, gc="often")], busy_loops=0)
+    assert "`gc`: Python's garbage collector in every process of the run" in text
+    assert "| 1 | 1 | 0 | 0 | 0 | 5 | 2 | never | none |" in text
+    assert "| 2 | 1 | 0 | 0 | 0 | 5 | 2 | often | none |" in text
