@@ -341,7 +341,7 @@ class AllocatorTracker(TrackerBase):
         self._active = True
         self._register_existing()
         if self.model is not None:  # a parameter or buffer saved for backward stays what it is
-            self._never_saved = self._buffer_keys | {p.untyped_storage().data_ptr() for p in self.model.parameters()
+            self._never_saved = self._buffer_keys | {p.untyped_storage().data_ptr() for p in self._params
                                                      if _is_plain(p) and p.device.type == self._device_type}
         self._install_hooks()
         if self.model is not None:

@@ -60,6 +60,7 @@ class TrackerBase(StorageLedger):
         self._timeline: list[tuple[str, dict[str, int]]] = []
         self._handles: list = []
         self._buffer_keys: set[int] = set()
+        self._params: list = []  # the model's parameters as the tracker started (one walk of the model)
         self._cuda: dict[str, int] = {}
         self._active = False
 
@@ -107,7 +108,7 @@ class TrackerBase(StorageLedger):
             self._handles.append(module.register_forward_pre_hook(fwd_pre(name)))
             self._handles.append(module.register_forward_hook(fwd_post(name)))
         if self.model is not None:
-            for p in self.model.parameters():
+            for p in self._params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(
                         lambda p: self._classify([p.grad], "grads")))
@@ -122,9 +123,11 @@ class TrackerBase(StorageLedger):
             self._handles.append(self.optimizer.register_step_post_hook(step_post))
 
     def _register_existing(self) -> None:
-        # runs at every tracker's start: each list of the model's tensors is walked once
+        # runs at every tracker's start, before ``_install_hooks``: each list of the model's
+        # tensors is walked once
         if self.model is not None:
-            params, buffers = list(self.model.parameters()), list(self.model.buffers())
+            params = self._params = list(self.model.parameters())
+            buffers = list(self.model.buffers())
             self._classify(params, "params")
             self._classify([p.grad for p in params if p.grad is not None], "grads")
             self._classify(buffers, "other")
