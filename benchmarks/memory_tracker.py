@@ -151,7 +151,7 @@ def main() -> dict:
     parser.add_argument("--config", default="cpu")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind (medians of these)")
     parser.add_argument("--no-allocator", dest="allocator", action="store_false",
                         help="skip MemoryTracker(source='allocator') (it builds a C++ extension at first use)")
     parser.add_argument("--out", default=None,
