@@ -36,9 +36,10 @@ import torch  # noqa: F401 - imported once here so that forked ranks start witho
 from fsdp_lab import launch_rank
 from fsdp_lab.forkserver import RANK_FDS
 
-# What nearly every rank of a lab or test imports, slowest first: DTensor and dynamo (which
-# FSDP and the memory tracker touch) take over a second each. Imported, never run.
-PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "fsdp_lab.fsdp1", "fsdp_lab.fsdp2",
+# What nearly every rank of a lab or test imports, slowest first: DTensor (which FSDP and the
+# memory tracker touch) takes over a second. Imported, never run. (torch's compiler came with
+# ``fsdp_lab`` itself, above.)
+PRELOAD = ("torch.distributed.tensor", "fsdp_lab.fsdp1", "fsdp_lab.fsdp2",
            "fsdp_lab.memory", "fsdp_lab.models", "fsdp_lab.qlora", "fsdp_lab.timeline")
 for _module in PRELOAD:
     importlib.import_module(_module)

@@ -41,6 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from fsdp_lab.memory import tags
+from fsdp_lab.memory.allocator_tracker import AllocatorTracker
 from fsdp_lab.memory.results import MemoryResult, format_rows, merge_ranks  # noqa: F401
 from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS
 from fsdp_lab.memory.tracker_base import TrackerBase, _is_plain, _plain_tensors, _tagged
@@ -99,10 +100,7 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
             raise ValueError(f"MemoryTracker(source={source!r}): use 'dispatch' (the default: any device, "
                              "fake tensors) or 'allocator' (cheaper; compiles a C++ extension at first use)")
         if source == "allocator" and cls is MemoryTracker:
-            from fsdp_lab.memory.allocator_tracker import AllocatorTracker
-            # a TrackerBase, not a subclass (so __init__ is not called again); registered so that
-            # isinstance(tracker, MemoryTracker) holds for it as for the dispatch tracker
-            MemoryTracker.register(AllocatorTracker)
+            # a TrackerBase, not a subclass (so __init__ is not called again): registered below
             return AllocatorTracker(*args, **kwargs)
         return super().__new__(cls)
 
@@ -214,5 +212,6 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
             self._resized(args[0].untyped_storage())
         return out
 
-    # ---- results -----------------------------------------------------------------------
 
+# What MemoryTracker(..., source="allocator") returns: a MemoryTracker to isinstance too.
+MemoryTracker.register(AllocatorTracker)
