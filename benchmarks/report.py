@@ -107,6 +107,13 @@ def section(result: pathlib.Path) -> str:
 
 
 SOAK_COLUMNS = ("run", "passed", "failed", "errors", "skipped", "seconds", "load_average_1min")
+# a column each, for records whose runs were made to see them (soak_labs.py --cpus, --gc)
+SOAK_CONDITIONS = {
+    "simulated_cpus": "`simulated_cpus`: the run saw that many cores (`--cpus`): `os.cpu_count()` and torch's "
+                      "threads in every process, so each rank computed with that many divided by the world size.",
+    "gc": "`gc`: Python's garbage collector in every process of the run (`--gc`): `never` switched off, "
+          "`often` run at thresholds 20, 4, 4.",
+}
 
 
 def soak_lines(data: dict) -> list[str]:
@@ -114,19 +121,13 @@ def soak_lines(data: dict) -> list[str]:
     test ids, if any, in the last column)."""
     planned = data.get("runs_planned", data["runs_total"])
     stopped = f" (stopped after {data['runs_total']} of {planned} planned runs)" if planned > data["runs_total"] else ""
-    simulated = any(run.get("simulated_cpus") for run in data["runs"])
-    gc_modes = any(run.get("gc") for run in data["runs"])
-    columns = SOAK_COLUMNS + (("simulated_cpus",) if simulated else ()) + (("gc",) if gc_modes else ())
+    conditions = [key for key in SOAK_CONDITIONS if any(key in run for run in data["runs"])]
+    columns = SOAK_COLUMNS + tuple(conditions)
     lines = [f"**{data['runs_passed']} of {data['runs_total']} runs passed**{stopped}: `{data['command']}`, "
              f"{data['busy_loops']} busy-loop processes loading the CPU. `load_average_1min` is read as "
              "each run starts" + (", so the first run's is low: the busy loops have only just started."
                                   if data["busy_loops"] else ".")
-             + (" `simulated_cpus`: the run saw that many cores (`--cpus`): `os.cpu_count()` and torch's "
-                "threads in every process, so each rank computed with that many divided by the world size."
-                if simulated else "")
-             + (" `gc`: Python's garbage collector in every process of the run (`--gc`): `never` switched "
-                "off, `often` run at thresholds 20, 4, 4."
-                if gc_modes else ""), "",
+             + "".join(" " + SOAK_CONDITIONS[key] for key in conditions), "",
              "| " + " | ".join(columns) + " | failing tests |",
              "|" + "---|" * (len(columns) + 1)]
     for run in data["runs"]:

@@ -54,20 +54,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 _STOP_GRACE_S = 10.0  # seconds between SIGTERM and SIGKILL for a pytest run being stopped
-_CPUS_ENV, _GC_ENV = "SOAK_SIMULATED_CPUS", "SOAK_GC"
 GC_MODES = ("never", "often")
+# What a run can be made to see, as a run's record names it -> the variable that passes it on
+CONDITIONS = {"simulated_cpus": "SOAK_SIMULATED_CPUS", "gc": "SOAK_GC"}
 # Imported by every Python process of a ``--cpus`` or ``--gc`` run (it comes first on PYTHONPATH).
 _SITECUSTOMIZE = f"""\
 import gc
 import os
 
-_gc = os.environ.get("{_GC_ENV}")
+_gc = os.environ.get("{CONDITIONS['gc']}")
 if _gc == "never":
     gc.disable()
 elif _gc == "often":
     gc.set_threshold(20, 4, 4)
 
-_cpus = os.environ.get("{_CPUS_ENV}")
+_cpus = os.environ.get("{CONDITIONS['simulated_cpus']}")
 if _cpus:
     _cpus = int(_cpus)
     os.cpu_count = lambda: _cpus
@@ -107,28 +108,22 @@ def _signal(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_pytest(paths: list[str], timeout: float, log: Path | None = None, cpus: int | None = None,
-               gc_mode: str | None = None) -> dict:
+def run_pytest(paths: list[str], timeout: float, log: Path | None = None, conditions: dict | None = None) -> dict:
     """One ``pytest --nbval`` run over ``paths``; its counts, failing test ids and duration (s).
     ``log``: where pytest's whole output is written when the run fails (the diffs nbval shows).
-    ``cpus``: run as on a machine with that many cores (see ``--cpus``); ``gc_mode``: "never" or
-    "often" (see ``--gc``).
+    ``conditions``: ``{"simulated_cpus": N}`` runs as on a machine with N cores (``--cpus``),
+    ``{"gc": "never" | "often"}`` with the garbage collector off or eager (``--gc``).
 
     pytest runs in a session of its own so that stopping it also stops the notebook kernels
     and ranks it started. Raises KeyboardInterrupt after stopping it on Ctrl-C.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        first = []
-        if cpus is not None or gc_mode is not None:
+        conditions = conditions or {}
+        if conditions:
             Path(tmp, "sitecustomize.py").write_text(_SITECUSTOMIZE)
-            first = [tmp]
         # kernels and ranks import this copy of fsdp_lab
-        path = os.pathsep.join(p for p in (*first, str(REPO), os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=path)
-        if cpus is not None:
-            env[_CPUS_ENV] = str(cpus)
-        if gc_mode is not None:
-            env[_GC_ENV] = gc_mode
+        path = os.pathsep.join(p for p in (tmp if conditions else None, str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, **{CONDITIONS[key]: str(value) for key, value in conditions.items()})
         report = Path(tmp, "junit.xml")
         command = [sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={report}", *paths]
@@ -188,8 +183,7 @@ def describe(run: dict) -> str:
     """One line for a run: its counts, duration and the failing test ids."""
     text = (f"{run['passed']} passed, {run['failed']} failed, {run['errors']} errors, "
             f"{run['skipped']} skipped in {run['seconds']:.0f} s (load at its start {run['load_average_1min']:.1f}"
-            + (f", as on {run['simulated_cpus']} CPUs" if run.get("simulated_cpus") else "")
-            + (f", garbage collector {run['gc']}" if run.get("gc") else "") + ")")
+            + "".join(f", {key} {run[key]}" for key in CONDITIONS if key in run) + ")")
     if run["failures"]:
         text += "; failing: " + ", ".join(run["failures"])
     return text
@@ -226,18 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     # a failing run's output, to see why (the folder is made only when a run fails)
     logs = Path(tempfile.gettempdir()) / f"soak_labs_{os.getpid()}"
+    # what each run is made to see (--cpus, --gc): each option's values in turn, one per run
+    options = {key: values for key, values in (("simulated_cpus", args.cpus), ("gc", args.gc)) if values}
     busy = start_busy_loops(args.busy)
     print(f"soak: {args.runs} run(s) of pytest --nbval {' '.join(args.paths)} "
-          f"with {args.busy} busy loop(s)" + (f", as on {'/'.join(map(str, args.cpus))} CPUs" if args.cpus else "")
-          + (f", garbage collector {'/'.join(args.gc)}" if args.gc else ""), flush=True)
+          f"with {args.busy} busy loop(s)" + "".join(f", {key} {'/'.join(map(str, values))}"
+                                                     for key, values in options.items()), flush=True)
     try:
         for i in range(args.runs):
             load = os.getloadavg()[0]
             log = logs / f"run_{i + 1}.log"
-            cpus = args.cpus[i % len(args.cpus)] if args.cpus else None
-            gc_mode = args.gc[i % len(args.gc)] if args.gc else None
-            run = {"run": i + 1, "load_average_1min": round(load, 2), **({"simulated_cpus": cpus} if cpus else {}),
-                   **({"gc": gc_mode} if gc_mode else {}), **run_pytest(args.paths, args.timeout, log, cpus, gc_mode)}
+            conditions = {key: values[i % len(values)] for key, values in options.items()}
+            run = {"run": i + 1, "load_average_1min": round(load, 2), **conditions,
+                   **run_pytest(args.paths, args.timeout, log, conditions)}
             runs.append(run)
             verdict = "PASS" if run_passed(run) else f"FAIL (pytest's output: {log})"
             print(f"run {i + 1}/{args.runs}: {verdict}: {describe(run)}", flush=True)

@@ -50,7 +50,8 @@ def test_cpus_makes_every_process_of_the_run_see_that_many_cores(tmp_path):
         "    child = subprocess.run([sys.executable, '-c', 'import os, torch; print(os.cpu_count(), "
         "torch.get_num_threads())'], capture_output=True, text=True, timeout=120)\n"
         "    assert child.stdout.split() == ['7', '7'], child.stderr\n")
-    run = soak_labs.run_pytest([str(tmp_path / "test_cores.py")], timeout=300, log=tmp_path / "log", cpus=7)
+    run = soak_labs.run_pytest([str(tmp_path / "test_cores.py")], timeout=300, log=tmp_path / "log",
+                               conditions={"simulated_cpus": 7})
     assert (run["passed"], run["failed"]) == (1, 0), (tmp_path / "log").read_text() if (tmp_path / "log").exists() else run
 
 
@@ -62,8 +63,10 @@ def test_gc_mode_reaches_every_process_of_the_run(tmp_path):
         "    child = subprocess.run([sys.executable, '-c', 'import gc; print(gc.isenabled())'],\n"
         "                           capture_output=True, text=True, timeout=120)\n"
         "    assert child.stdout.split() == ['False'], child.stderr\n")
-    run = soak_labs.run_pytest([str(tmp_path / "test_gc.py")], timeout=300, log=tmp_path / "log", gc_mode="never")
+    run = soak_labs.run_pytest([str(tmp_path / "test_gc.py")], timeout=300, log=tmp_path / "log",
+                               conditions={"gc": "never"})
     assert (run["passed"], run["failed"]) == (1, 0), (tmp_path / "log").read_text() if (tmp_path / "log").exists() else run
     (tmp_path / "test_often.py").write_text("import gc\n\ndef test_often():\n    assert gc.get_threshold() == (20, 4, 4)\n")
-    run = soak_labs.run_pytest([str(tmp_path / "test_often.py")], timeout=300, log=tmp_path / "log2", gc_mode="often")
+    run = soak_labs.run_pytest([str(tmp_path / "test_often.py")], timeout=300, log=tmp_path / "log2",
+                               conditions={"gc": "often"})
     assert (run["passed"], run["failed"]) == (1, 0), run
