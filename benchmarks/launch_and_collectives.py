@@ -103,7 +103,7 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
     def bare_marked():  # a Timeline's cost alone: its marks around a collective it does not issue
         start = timeline.mark()
         bare()
-        timeline.record_comm(start, "all_gather", full.numel() * 4, dtype="float32", group_size=world_size)
+        timeline.record_comm(start, "bare_all_gather", full.numel() * 4, dtype="float32", group_size=world_size)
 
     def timed(call) -> float:
         return bandwidth.timed_on_all_ranks(call, device)[0]
@@ -132,7 +132,7 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
                     times[kind].append(call())
                     times[bare_key[kind]].append(timed(bare))
     assert torch.equal(full.view(world_size, -1)[dist.get_rank()], shard)
-    return {**times, "events": sum(1 for e in timeline.comm_events() if "staged" in e.args)}
+    return {**times, "events": len(timeline.comm_events(name="all_gather"))}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -150,16 +150,19 @@ def _bootstrap_median_interval(values: list[float], samples: int = 2000) -> tupl
     return medians[int(0.025 * samples)], medians[int(0.975 * samples) - 1]
 
 
+def _slowest(per_rank: list[dict], kind: str) -> list[float]:
+    """Each call of ``kind``: the slowest rank's seconds."""
+    return [max(times) for times in zip(*(r[kind] for r in per_rank))]
+
+
 def _pair_ratios(per_rank: list[dict], kind: str, bare_kind: str) -> list[float]:
     """Each call of ``kind`` over its adjacent bare call, each the slowest rank's time."""
-    slowest = lambda key: [max(times) for times in zip(*(r[key] for r in per_rank))]  # noqa: E731
-    return [o / b for o, b in zip(slowest(kind), slowest(bare_kind))]
+    return [o / b for o, b in zip(_slowest(per_rank, kind), _slowest(per_rank, bare_kind))]
 
 
 def all_gather_overhead(per_rank: list[dict], rounds: int, pairs: int) -> dict:
     """Pair ratios (ours / bare, slowest rank per call) and their summary."""
-    bare = [max(times) for times in zip(*(r["bare"] for r in per_rank))]
-    ours = [max(times) for times in zip(*(r["ours"] for r in per_rank))]
+    bare, ours = _slowest(per_rank, "bare"), _slowest(per_rank, "ours")
     ratios = _pair_ratios(per_rank, "ours", "bare")
     round_medians = [statistics.median(ratios[k * pairs:(k + 1) * pairs]) for k in range(rounds)]
     low, high = _bootstrap_median_interval(ratios)
