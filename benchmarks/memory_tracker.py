@@ -172,7 +172,8 @@ def main() -> dict:
     last = {}
     clock = time.perf_counter if device.type == "cuda" else time.process_time
 
-    def timed(kind: str) -> float:
+    def timed(kind: str) -> tuple[float, float]:
+        """One step of ``kind``: (seconds by ``clock``, seconds by the wall clock)."""
         if device.type == "cuda":
             torch.cuda.synchronize()
         start, wall_start = clock(), time.perf_counter()
@@ -212,8 +213,7 @@ def main() -> dict:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        wall[kind].append(time.perf_counter() - wall_start)
-        return clock() - start
+        return clock() - start, time.perf_counter() - wall_start
 
     load_before = os.getloadavg()[0]
     allocations_only, profiler_stream = _AllocationsOnly(), _ProfilerStream()
@@ -233,15 +233,16 @@ def main() -> dict:
         kinds += ("torch_mem_tracker",)
     except ImportError:
         torch_mem_tracker = None
-    wall = {kind: [] for kind in kinds}
     for _ in range(2):  # warm up every path
         for kind in kinds:
             timed(kind)
     times = {kind: [] for kind in kinds}
-    wall = {kind: [] for kind in kinds}  # wall-clock seconds of the same steps (the warm-up's dropped)
+    wall = {kind: [] for kind in kinds}  # the same steps by the wall clock
     for _ in range(args.steps):
         for kind in kinds:
-            times[kind].append(timed(kind))
+            seconds, wall_seconds = timed(kind)
+            times[kind].append(seconds)
+            wall[kind].append(wall_seconds)
     median = {kind: statistics.median(t) for kind, t in times.items()}
     with _CountOps() as counter:
         step()
