@@ -369,7 +369,6 @@ class AllocatorTracker(TrackerBase):
             return resize_
 
         self._hook_in(wrap_resize)
-        tags.add_scope_listener(self._on_scope)
         self._stamp("scope", tags.current_scope())
         self._mark("start")
         return self
@@ -380,7 +379,6 @@ class AllocatorTracker(TrackerBase):
         finally:
             self._running = False
             self._log.stop()
-            tags.remove_scope_listener(self._on_scope)
             self._unhook(exc)
         self._finish()
         # results are final: drop the watches (no more stamps) and what the replay kept

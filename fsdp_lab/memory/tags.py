@@ -15,7 +15,7 @@ storage is counted in its new role from the moment it is tagged, not from the ne
 
 ``tag_scope(category)`` sets a default category for storages *allocated* inside the
 ``with`` block that nobody tagged explicitly; the tracker reads it with ``current_scope`` (the
-allocator-fed tracker hears each change through ``add_scope_listener``).
+allocator-fed tracker also hears each change, through the ``on_scope`` of its listener).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ CATEGORIES: tuple[str, ...] = (
 _tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _scope = threading.local()
 _open_scopes = 0  # tag_scope blocks open in any thread
-_listeners: list[Callable[[torch.UntypedStorage, str], None]] = []
-_scope_listeners: list[Callable[[str | None], None]] = []
+# (on_tag, on_scope) of each listener; on_scope may be None
+_listeners: list[tuple[Callable[[torch.UntypedStorage, str], None], Callable[[str | None], None] | None]] = []
 
 
 def _check_category(category: str) -> None:
@@ -66,8 +66,8 @@ def tag(tensor: torch.Tensor, category: str) -> torch.Tensor:
     _check_category(category)
     for storage in _storages(tensor):
         _tags[storage] = category
-        for listener in _listeners:
-            listener(storage, category)
+        for on_tag, _ in _listeners:
+            on_tag(storage, category)
     return tensor
 
 
@@ -77,27 +77,23 @@ def untag(tensor: torch.Tensor) -> None:
         _tags.pop(storage, None)
 
 
-def add_listener(listener: Callable[[torch.UntypedStorage, str], None]) -> None:
-    """Call ``listener(storage, category)`` on every later ``tag`` until ``remove_listener``."""
-    _listeners.append(listener)
+def add_listener(on_tag: Callable[[torch.UntypedStorage, str], None],
+                 on_scope: Callable[[str | None], None] | None = None) -> None:
+    """Until ``remove_listener(on_tag)``: call ``on_tag(storage, category)`` on every later ``tag``,
+    and ``on_scope(category)``, when given, with the innermost ``tag_scope`` category (None
+    outside any) each time a ``tag_scope`` block opens or closes."""
+    _listeners.append((on_tag, on_scope))
 
 
-def remove_listener(listener: Callable[[torch.UntypedStorage, str], None]) -> None:
-    """Stop calling ``listener`` (no error if it was not added)."""
-    if listener in _listeners:
-        _listeners.remove(listener)
+def remove_listener(on_tag: Callable[[torch.UntypedStorage, str], None]) -> None:
+    """Stop calling the listener added with ``on_tag`` (no error if it was not added)."""
+    _listeners[:] = [pair for pair in _listeners if pair[0] != on_tag]
 
 
-def add_scope_listener(listener: Callable[[str | None], None]) -> None:
-    """Call ``listener(category)`` with the innermost ``tag_scope`` category (None outside any)
-    each time a ``tag_scope`` block opens or closes, until ``remove_scope_listener``."""
-    _scope_listeners.append(listener)
-
-
-def remove_scope_listener(listener: Callable[[str | None], None]) -> None:
-    """Stop calling ``listener`` (no error if it was not added)."""
-    if listener in _scope_listeners:
-        _scope_listeners.remove(listener)
+def _tell_scope(category: str | None) -> None:
+    for _, on_scope in _listeners:
+        if on_scope is not None:
+            on_scope(category)
 
 
 def category_of(storage: torch.UntypedStorage) -> str | None:
@@ -113,15 +109,13 @@ def tag_scope(category: str) -> Iterator[None]:
     stack = _scope.__dict__.setdefault("stack", [])
     stack.append(category)
     _open_scopes += 1
-    for listener in _scope_listeners:
-        listener(category)
+    _tell_scope(category)
     try:
         yield
     finally:
         _open_scopes -= 1
         stack.pop()
-        for listener in _scope_listeners:
-            listener(stack[-1] if stack else None)
+        _tell_scope(stack[-1] if stack else None)
 
 
 def current_scope() -> str | None:

@@ -64,6 +64,10 @@ class TrackerBase(StorageLedger):
         self._cuda: dict[str, int] = {}
         self._active = False
 
+    # called with the innermost tag_scope category whenever one opens or closes (None: the
+    # tracker reads ``tags.current_scope()`` itself when it needs it)
+    _on_scope = None
+
     @staticmethod
     def _key_of(storage) -> int:
         """What identifies a storage in this tracker's ledger."""
@@ -154,7 +158,7 @@ class TrackerBase(StorageLedger):
         self._saved_hooks.__enter__()
         self._orig_resize = torch.UntypedStorage.resize_
         torch.UntypedStorage.resize_ = wrap_resize(self._orig_resize)
-        tags.add_listener(self._on_tag)
+        tags.add_listener(self._on_tag, self._on_scope)
         if self._device_type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
