@@ -64,13 +64,17 @@ class Event:
 
 
 class _Clock:
-    """perf_counter on CPU; CUDA events on a CUDA device, resolved later to seconds."""
+    """perf_counter on CPU; CUDA events on a CUDA device, resolved later to seconds.
+
+    The events are ``torch.Event``s, recorded on the device's current stream from C++:
+    ``torch.cuda.Event.record()`` builds a Python ``Stream`` object for every mark, a cost
+    paid twice per collective on the path the timeline is meant to watch."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.device = device
-            self.origin_event = torch.cuda.Event(enable_timing=True)
+            self.origin_event = torch.Event(device, enable_timing=True)
             torch.cuda.synchronize(device)
             self.origin_event.record()
         self.origin_host = time.perf_counter()
@@ -78,7 +82,7 @@ class _Clock:
     def mark(self):
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.Event(self.device, enable_timing=True)
         event.record()
         return event
 
