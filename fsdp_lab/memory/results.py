@@ -84,13 +84,15 @@ def cuda_stats(device: torch.device, tracked_peak: int) -> dict[str, int]:
     """The CUDA allocator's counters for ``device`` (bytes; retries a count) and the gap
     between its peak and the tracked peak (allocator rounding, untracked workspaces)."""
     torch.cuda.synchronize(device)
+    # one read of the counters: each of torch.cuda.memory_allocated, max_memory_allocated, ...
+    # builds and flattens the allocator's whole statistics dictionary again
     stats = torch.cuda.memory_stats(device)
-    max_allocated = torch.cuda.max_memory_allocated(device)
+    max_allocated = stats.get("allocated_bytes.all.peak", 0)
     return {
-        "allocated": torch.cuda.memory_allocated(device),
+        "allocated": stats.get("allocated_bytes.all.current", 0),
         "max_allocated": max_allocated,
-        "reserved": torch.cuda.memory_reserved(device),
-        "max_reserved": torch.cuda.max_memory_reserved(device),
+        "reserved": stats.get("reserved_bytes.all.current", 0),
+        "max_reserved": stats.get("reserved_bytes.all.peak", 0),
         "num_alloc_retries": stats.get("num_alloc_retries", 0),
         # allocator peak minus tracked peak: allocator rounding, untracked allocations (workspaces)
         "untracked_at_peak": max_allocated - max(tracked_peak, 0),
