@@ -27,7 +27,7 @@ Run from the repository root:
     is timed against its own bare call, adjacent and in alternating order, as the pairs are.
 
 Writes benchmarks/results/launch_and_collectives_cpu.json (``_cuda.json`` on GPUs) with the
-device, torch version, date and the machine's load average before and after.
+device (and the GPU's name), torch version, date and the machine's load average before and after.
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def main() -> None:
         "torch": torch.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "load_average_1min": load_before,
         "load_average_1min_after": os.getloadavg()[0], "device": device, "world_size": n,
+        **({"gpu": torch.cuda.get_device_name()} if device == "cuda" else {}),
         "launch": {"first_launch_s": first_launch_s, "fsdp_lab_s": ours_s, "spawn_s": spawn_s,
                    "ratio_of_medians": launch_ratio,
                    "target_ratio": 1.5},
