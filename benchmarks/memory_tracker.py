@@ -21,8 +21,9 @@ same step too: its cost beside ours, and its peak beside ours (the same bytes:
 tests/test_memory_tracker.py checks it). And the route that meets the target:
 ``MemoryTracker(source="allocator")`` (``tracked_allocator``; its C++ allocation log is built at
 first use, skipped with the reason where no C++ compiler is found), timed with its results read,
-beside the log alone (``allocation_log``, this route's floor); its peak, by category, is printed
-beside the dispatch tracker's. The ops of one
+beside the log alone (``allocation_log``, this route's floor), and once more split into its
+phases by the wall clock (``allocator_phase_s``: making the tracker, entering it, the step, leaving
+it, reading the result, dropping it; medians); its peak, by category, is printed beside the dispatch tracker's. The ops of one
 step are counted, and each instrument's cost per op printed: a per-op instrument costs a fixed
 time per op, so its ratio falls as ops grow (bigger batches, wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
@@ -55,6 +56,39 @@ from fsdp_lab.models.data import global_batch
 from fsdp_lab.models.llama import Llama
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+
+
+ALLOCATOR_PHASES = ("make", "enter", "step", "exit", "result", "drop")
+
+
+def _allocator_phases(model, optimizer, step, clock, device) -> dict[str, float]:
+    """One step under ``MemoryTracker(source="allocator")``, timed phase by phase (seconds by
+    ``clock``): making the tracker, entering it, the step (with the device synchronised after it),
+    leaving it (the log's replay), reading its result, dropping it (its ledger and records freed)."""
+    seconds, start = {}, clock()
+
+    def lap(name):
+        nonlocal start
+        now = clock()
+        seconds[name], start = now - start, now
+
+    tracker = MemoryTracker(model, optimizer, source="allocator")
+    lap("make")
+    tracker.__enter__()
+    lap("enter")
+    try:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        lap("step")
+    finally:
+        tracker.__exit__(None, None, None)
+    lap("exit")
+    tracker.result()
+    lap("result")
+    del tracker
+    lap("drop")
+    return seconds
 
 
 class _DoNothingMode(TorchDispatchMode):
@@ -170,6 +204,7 @@ def main() -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     last = {}
+    phase_times = {name: [] for name in ALLOCATOR_PHASES}
     clock = time.perf_counter if device.type == "cuda" else time.process_time
 
     def timed(kind: str) -> tuple[float, float]:
@@ -198,6 +233,12 @@ def main() -> dict:
             with MemoryTracker(model, optimizer, source="allocator") as tracker:
                 step()
             last["allocator_result"] = tracker.result()
+        elif kind == "allocator_phases":
+            # by the wall clock: CPU time would charge a short Python phase with what torch's
+            # worker threads spend spinning after the step's last parallel op
+            phases = _allocator_phases(model, optimizer, step, time.perf_counter, device)
+            for name, seconds in phases.items():
+                phase_times[name].append(seconds)
         elif kind == "allocation_log":
             log.start(device.type)
             step()
@@ -224,7 +265,7 @@ def main() -> dict:
     if args.allocator:
         try:
             log, allocator_missing = allocation_log.load(), None
-            kinds += ("tracked_allocator", "allocation_log")
+            kinds += ("tracked_allocator", "allocator_phases", "allocation_log")
         except RuntimeError as error:
             allocator_missing = str(error)
             print(f"MemoryTracker(source='allocator') not measured: {error}")
@@ -236,6 +277,8 @@ def main() -> dict:
     for _ in range(2):  # warm up every path
         for kind in kinds:
             timed(kind)
+    for seconds in phase_times.values():
+        seconds.clear()
     times = {kind: [] for kind in kinds}
     wall = {kind: [] for kind in kinds}  # the same steps by the wall clock
     for _ in range(args.steps):
@@ -275,6 +318,8 @@ def main() -> dict:
         result["allocator_ratio"] = median["tracked_allocator"] / median["plain"]
         if device.type == "cpu":
             result["allocator_wall_ratio"] = wall_median["tracked_allocator"] / wall_median["plain"]
+        result["allocator_phase_s"] = {name: statistics.median(t) for name, t in phase_times.items()}
+        result["plain_wall_step_s"] = statistics.median(wall["plain"])
         result["allocation_log_step_s"] = median["allocation_log"]
         result["allocation_log_ratio"] = median["allocation_log"] / median["plain"]
         result["allocation_log_reports_per_step"] = last["log_reports"]
@@ -301,6 +346,8 @@ def main() -> dict:
     if allocator_missing is None:
         print(f"ratio tracked from the allocator/plain: {result['allocator_ratio']:.2f}  (target <= 1.10; "
               f"its C++ allocation log alone: {result['allocation_log_ratio']:.2f})")
+        print("  by phase (ms): " + ", ".join(f"{name} {1e3 * t:.2f}" for name, t in result["allocator_phase_s"].items())
+              + f"  (wall clock; the plain step: {1e3 * statistics.median(wall['plain']):.2f})")
     if device.type == "cpu":
         print(f"by the wall clock instead: tracked {result['wall_ratio']:.2f}"
               + (f", from the allocator {result['allocator_wall_ratio']:.2f}" if allocator_missing is None else ""))

@@ -28,3 +28,29 @@ def test_profiler_stream_reads_allocations_inside_user_ranges_and_marks_each_sav
     assert sum(sizes) == 0                                       # everything made inside was freed
     assert [t for t, _, _ in stream.stream] == sorted(t for t, _, _ in stream.stream)
     assert stream.marks == 2
+
+
+def test_allocator_phases_time_each_phase_of_one_tracked_step():
+    """The phases come from consecutive clock readings (a scripted clock: 0, 1, 3, 6, ... gives
+    laps 1, 2, 3, ...), the step runs inside the tracker, and the tracker is stopped at the end
+    (another allocator tracker can start)."""
+    from fsdp_lab.memory import allocation_log
+    from fsdp_lab.memory.tracker import MemoryTracker
+    if allocation_log.toolchain_missing():
+        pytest.skip(f"needs {allocation_log.toolchain_missing()}")
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+
+    def step():
+        model(torch.randn(4, 8)).square().sum().backward()
+        optimizer.step()
+
+    readings = iter([0, 1, 3, 6, 10, 15, 21])
+    phases = bench._allocator_phases(model, optimizer, step, lambda: next(readings), torch.device("cpu"))
+    assert list(phases) == list(bench.ALLOCATOR_PHASES)
+    assert list(phases.values()) == [1, 2, 3, 4, 5, 6]
+    assert not torch.equal(model.weight, before)
+    with MemoryTracker(model, optimizer, source="allocator") as tracker:
+        step()
+    assert tracker.peak()["params"] == 8 * 8 * 4 + 8 * 4
