@@ -18,14 +18,15 @@ instrument PyTorch ships; and that profiler as a tracker would use it (``profile
 each saved tensor marked in its stream, the stream read back after the step. PyTorch's own
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``, also a ``TorchDispatchMode``) runs the
 same step too: its cost beside ours, and its peak beside ours (the same bytes:
-tests/test_memory_tracker.py checks it). And the route that meets the target:
+tests/test_memory_tracker.py checks it). And the route that meets the target on CPU (not on a GPU):
 ``MemoryTracker(source="allocator")`` (``tracked_allocator``; its C++ allocation log is built at
 first use, skipped with the reason where no C++ compiler is found), timed with its results read,
 beside the log alone (``allocation_log``, this route's floor), and once more split into its
 phases by the wall clock (``allocator_phase_s``: making the tracker, entering it, the step, leaving
-it, reading the result, dropping it; medians); its peak, by category, is printed beside the dispatch tracker's. The ops of one
-step are counted, and each instrument's cost per op printed: a per-op instrument costs a fixed
-time per op, so its ratio falls as ops grow (bigger batches, wider layers). Times are CPU time
+it, reading the result, dropping it; medians); its peak, by category, is printed beside the
+dispatch tracker's. The ops of one step are counted, and each instrument's cost per op printed:
+a per-op instrument costs a fixed time per op, so its ratio falls as ops grow (bigger batches,
+wider layers). Times are CPU time
 of this process (``time.process_time``), which other processes on the machine disturb less than
 wall-clock time (the wall-clock ratios of the same steps are recorded beside them: ``wall_ratio``,
 ``allocator_wall_ratio``); on a GPU, wall-clock time with the device synchronised. On a GPU the model runs
@@ -64,7 +65,8 @@ ALLOCATOR_PHASES = ("make", "enter", "step", "exit", "result", "drop")
 def _allocator_phases(model, optimizer, step, clock, device) -> dict[str, float]:
     """One step under ``MemoryTracker(source="allocator")``, timed phase by phase (seconds by
     ``clock``): making the tracker, entering it, the step (with the device synchronised after it),
-    leaving it (the log's replay), reading its result, dropping it (its ledger and records freed)."""
+    leaving it (the log's replay), reading its result, dropping it (its ledger and records
+    freed)."""
     seconds, start = {}, clock()
 
     def lap(name):
@@ -319,7 +321,7 @@ def main() -> dict:
         if device.type == "cpu":
             result["allocator_wall_ratio"] = wall_median["tracked_allocator"] / wall_median["plain"]
         result["allocator_phase_s"] = {name: statistics.median(t) for name, t in phase_times.items()}
-        result["plain_wall_step_s"] = statistics.median(wall["plain"])
+        result["plain_wall_step_s"] = wall_median["plain"]
         result["allocation_log_step_s"] = median["allocation_log"]
         result["allocation_log_ratio"] = median["allocation_log"] / median["plain"]
         result["allocation_log_reports_per_step"] = last["log_reports"]
@@ -347,7 +349,7 @@ def main() -> dict:
         print(f"ratio tracked from the allocator/plain: {result['allocator_ratio']:.2f}  (target <= 1.10; "
               f"its C++ allocation log alone: {result['allocation_log_ratio']:.2f})")
         print("  by phase (ms): " + ", ".join(f"{name} {1e3 * t:.2f}" for name, t in result["allocator_phase_s"].items())
-              + f"  (wall clock; the plain step: {1e3 * statistics.median(wall['plain']):.2f})")
+              + f"  (wall clock; the plain step: {1e3 * result['plain_wall_step_s']:.2f})")
     if device.type == "cpu":
         print(f"by the wall clock instead: tracked {result['wall_ratio']:.2f}"
               + (f", from the allocator {result['allocator_wall_ratio']:.2f}" if allocator_missing is None else ""))
