@@ -202,6 +202,26 @@ def test_cuda_allocator_stats():
     assert mt.current()["grads"] == (64 * 128 + 128 * 32) * F32
 
 
+def test_cuda_stats_reads_the_counters_torch_cuda_reads(monkeypatch):
+    """``cuda_stats`` reads one statistics dictionary; each figure is the one torch.cuda's own
+    ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved`` and ``max_memory_reserved``
+    give from that same dictionary (runs without a GPU: the allocator's dictionary is stood in)."""
+    from fsdp_lab.memory.results import cuda_stats
+    stats = {"allocated_bytes.all.current": 1000, "allocated_bytes.all.peak": 5000,
+             "reserved_bytes.all.current": 2048, "reserved_bytes.all.peak": 8192,
+             "allocated_bytes.small_pool.peak": 7, "num_alloc_retries": 3}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(stats))
+    monkeypatch.setattr(torch.cuda.memory, "memory_stats", lambda device=None: dict(stats))
+    ours = cuda_stats(torch.device("cuda", 0), tracked_peak=4096)
+    assert ours == {"allocated": torch.cuda.memory_allocated(0),
+                    "max_allocated": torch.cuda.max_memory_allocated(0),
+                    "reserved": torch.cuda.memory_reserved(0),
+                    "max_reserved": torch.cuda.max_memory_reserved(0),
+                    "num_alloc_retries": 3, "untracked_at_peak": 5000 - 4096}
+    assert ours["max_allocated"] == 5000 and ours["reserved"] == 2048
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile's
 def test_a_compiled_function_under_the_tracker_runs_through_it():
     """A ``torch.compile``d function called while tracking gives eager's values, and the tracker
