@@ -5,18 +5,27 @@
 // PROFILER_STATE debug info; start() pushes this log there, stop() pops it. The slot takes one
 // listener: start() refuses to run under PyTorch's profiler, and the profiler refuses to start
 // while the log runs ("Profiler is already enabled on this thread").
+// PyTorch reads whatever sits in that slot as a profiler's state (torch.autograd._profiler_enabled,
+// torch._C._autograd._profiler_type, the profiler's own checks), so the log is one: a
+// ProfilerStateBase whose configuration says "disabled" and whose type is NONE. Anything less is
+// read through the wrong type (_profiler_type() crashed the process).
 // Compiled at first use by fsdp_lab/memory/allocation_log.py (torch.utils.cpp_extension.load).
 #include <torch/extension.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <mutex>
 #include <vector>
 
 namespace {
 
-struct AllocationLog : public c10::MemoryReportingInfoBase {
-  explicit AllocationLog(c10::DeviceType device_type) : device_type(device_type) {}
+namespace profiler = torch::profiler::impl;
+
+struct AllocationLog : public profiler::ProfilerStateBase {
+  explicit AllocationLog(c10::DeviceType device_type)
+      : profiler::ProfilerStateBase(profiler::ProfilerConfig(profiler::ProfilerState::Disabled)),
+        device_type(device_type) {}
   const c10::DeviceType device_type;  // other devices' reports are left out (host scalars of a GPU step)
   std::mutex mutex;
   std::vector<int64_t> addresses, deltas;  // deltas in bytes: + allocated, - freed
@@ -28,6 +37,7 @@ struct AllocationLog : public c10::MemoryReportingInfoBase {
     deltas.push_back(alloc_size);
   }
   bool memoryProfilingEnabled() const override { return true; }
+  profiler::ActiveProfilerType profilerType() override { return profiler::ActiveProfilerType::NONE; }
 };
 
 std::shared_ptr<AllocationLog> active;

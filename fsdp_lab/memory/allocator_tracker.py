@@ -28,7 +28,9 @@ Where the two sources differ:
 - fake tensors allocate nothing, so there is nothing to log (refused: use dispatch);
 - results are frozen when the tracker exits (dispatch keeps following frees after it);
 - one allocator tracker at a time in a process, and not together with PyTorch's profiler, which
-  records memory from the same hook: each refuses to start while the other runs on the thread.
+  records memory from the same hook: each refuses to start while the other runs on the thread
+  (with torch 2.6 and 2.11, not 2.13, a profiler refused so cannot start again in that process:
+  torch leaves its trace half-prepared).
   On CPU, PyTorch logs once per process "Memory block of unknown size was allocated before the
   profiling started": a storage from before the tracker was freed; the tracker follows those
   itself.
