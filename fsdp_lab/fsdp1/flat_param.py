@@ -33,6 +33,7 @@ from fsdp_lab.fsdp1.flat_grad import FlatGrad, GradConfig
 from fsdp_lab.fsdp1.layout import FlatLayout, ParamInfo, ShardedParam, ShardingSpec
 from fsdp_lab.memory.tags import tag
 from fsdp_lab.states import ShardedState
+from fsdp_lab.torch_versions import set_version
 
 __all__ = ["FlatParamHandle"]
 
@@ -172,7 +173,7 @@ class FlatParamHandle:
             pending.work.wait()
             if pending.input is not self.flat_shard:  # a cast or device copy made for the wire
                 collectives.release(pending.input)
-        torch._C._autograd._unsafe_set_version_counter((self.full,), (pending.version,))
+        set_version(self.full, pending.version)
         self.state = ShardedState.UNSHARDED
 
     def use_unsharded_views(self, track_grads: bool) -> None:

@@ -30,6 +30,7 @@ from fsdp_lab import collectives, sync_points
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.memory.tags import tag
 from fsdp_lab.states import ShardedState, assert_in_states
+from fsdp_lab.torch_versions import versions_kept
 
 __all__ = ["FSDPParamGroup", "set_synchronous"]
 
@@ -155,7 +156,7 @@ class FSDPParamGroup:
             index += count
         # Refilling storage that autograd may have saved in forward is not a mutation of the
         # values it saw, so the version counters stay as they were.
-        with torch.autograd._unsafe_preserve_version_counter(tuple(destinations)):
+        with versions_kept(destinations):
             torch.split_with_sizes_copy(pending.output.view(self.world_size, -1), pending.split_numels, dim=1,
                                         out=destinations)
         collectives.release(pending.input)
