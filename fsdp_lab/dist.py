@@ -207,9 +207,9 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
 
 
 def exit_distributed(code: int = 0) -> NoReturn:
-    """End a torchrun rank: wait for every rank, destroy the process groups, and leave the process
-    at once with exit status ``code`` (after flushing stdout/stderr and running ``atexit``
-    handlers), without Python's interpreter teardown. Call it as the script's last line.
+    """End a torchrun rank: wait for every rank, then leave the process at once with exit status
+    ``code`` (after flushing stdout/stderr and running ``atexit`` handlers), without destroying the
+    process groups and without Python's interpreter teardown. Call it as the script's last line.
 
     Why: ``destroy_process_group()`` only forgets the groups. A group something still refers to
     (a sharded model, DTensor's caches inside torch) lives on, and so do gloo's worker threads.
@@ -217,7 +217,11 @@ def exit_distributed(code: int = 0) -> NoReturn:
     collective (or run a completion callback); taking the GIL then ends the thread inside a C++
     destructor, and the process aborts with "terminate called without an active exception"
     (SIGABRT), more often on a loaded machine. Leaving without the teardown, as the ranks of
-    ``fsdp_lab.launch`` do, cannot race. Files you wrote should be closed before (``with``).
+    ``fsdp_lab.launch`` do, cannot race. Nor are the groups destroyed first: a group that nothing
+    else holds is freed by that call, on this thread and holding the GIL, and freeing a gloo group
+    waits for its worker threads, one of which may be waiting for the GIL to free such a tensor
+    (with torch 2.6 a rank hung there forever). The process leaves right after, so nothing is lost.
+    Files you wrote should be closed before (``with``).
 
     Raises:
         RuntimeError: called inside ``fsdp_lab.launch``, whose ranks end by themselves when
@@ -228,7 +232,6 @@ def exit_distributed(code: int = 0) -> NoReturn:
                            "return from fn instead (launch ends its ranks itself)")
     if dist.is_initialized() and not is_simulated():
         dist.barrier()  # no rank tears down its connections while a peer still uses them
-        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     atexit._run_exitfuncs()

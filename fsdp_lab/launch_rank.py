@@ -126,14 +126,14 @@ def main(spec: dict) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     send(("result", blob))
-    if dist.is_initialized():  # fn may have destroyed it already
-        dist.destroy_process_group()
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     conn.close()
-    # No interpreter teardown: gloo's threads outlive destroy_process_group() whenever something
-    # still holds the group, and one touching Python during teardown aborts the process (see
-    # fsdp_lab.dist.exit_distributed). Teardown would also take ~0.5 s, longer than the rest of
-    # a short launch. Run the exit handlers (what users registered with atexit) and leave.
+    # No interpreter teardown and no destroy_process_group(): gloo's threads outlive the groups
+    # whenever something still holds one, and one touching Python during teardown aborts the
+    # process; freeing a group nothing else holds waits, holding the GIL, for a worker thread
+    # that may need the GIL (see fsdp_lab.dist.exit_distributed). Teardown would also take
+    # ~0.5 s, longer than the rest of a short launch. Run the exit handlers (what users
+    # registered with atexit) and leave.
     atexit._run_exitfuncs()
     os._exit(0)
 
