@@ -28,7 +28,11 @@ def _rank_suite():
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    parts = [_part_parity, _part_uneven, _part_extension, _part_vs_torch, _part_dcp]
+    from _torch_reference import TORCH_FSDP2_ON_CPU
+
+    parts = [_part_parity, _part_uneven, _part_extension, _part_dcp]
+    if TORCH_FSDP2_ON_CPU:  # PyTorch's fully_shard beside ours
+        parts.insert(3, _part_vs_torch)
     out = _run_parts(parts)
     if world == 2:
         out["extras"] = _run_parts([_part_memory, _part_prefetch_order, _part_unshard_api, _part_bad_inputs])

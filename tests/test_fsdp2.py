@@ -16,6 +16,7 @@ from fsdp_lab.models.llama import Llama, LlamaConfig
 
 from _fsdp2_models import CONFIG, STEPS, Uneven, _config, _freeze, _plain_quantized_model, _train, _train_quantized
 from _fsdp2_parts import _rank_suite
+from _torch_reference import needs_torch_fsdp2_on_cpu
 
 WORLD_SIZES = (1, 2, 4)
 TOL = 1e-6  # parameters: max abs difference
@@ -146,6 +147,7 @@ def test_uneven_shapes_padded_like_torch_chunk(suite):
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
+@needs_torch_fsdp2_on_cpu
 def test_matches_torch_fully_shard(suite, policy):
     world, results = suite
     ours, theirs = results[0][f"vs_torch_{policy}_ours"], results[0][f"vs_torch_{policy}_torch"]
@@ -156,6 +158,7 @@ def test_matches_torch_fully_shard(suite, policy):
         assert mine == pytest.approx(other["losses_by_config"][f"vs_torch_{policy}_torch"], abs=TOL)
 
 
+@needs_torch_fsdp2_on_cpu
 def test_bf16_differs_from_fp32(suite):
     """The bf16 comparison is not vacuous: bf16 compute changes the losses."""
     _, results = suite

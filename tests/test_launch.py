@@ -206,6 +206,8 @@ def test_torch_config_modules_break_plain_cloudpickle():
     import cloudpickle
 
     cell = _notebook_cell(NOTEBOOK_CELL)
+    if "torch.distributed.config" not in sys.modules:
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.config: the cell reads a plain attribute")
     assert type(sys.modules["torch.distributed.config"]).__name__ == "ConfigModuleInstance"
     with pytest.raises(TypeError, match="cannot pickle 'ConfigModuleInstance' object"):
         cloudpickle.dumps(cell["reads_a_config_attribute"])
