@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from fsdp_lab import dist as fdist
@@ -65,11 +66,26 @@ print("never printed")
 
 
 def _torchrun(script, tmp_path, timeout=300):
+    """``script`` under torchrun on 2 CPU ranks. Past ``timeout`` seconds torchrun is sent SIGTERM,
+    which it passes on to its ranks (each in a session of its own: killing torchrun alone would
+    leave a hung rank running), and the test fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop(fdist.DEVICE_ENV, None)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"torchrun ran past {timeout} s and was stopped; its stderr ends:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def test_exit_distributed_ends_ranks_whose_gloo_threads_outlive_the_group(tmp_path):
