@@ -80,7 +80,12 @@ def test_synchronous_run_has_no_overlap_async_has_some(table):
     sync, overlapped = table.row("block sync"), table.row("block")
     assert sync["overlap"] == 0.0
     assert all(v == 0.0 for v in table.timelines["block sync"].overlap().values())
-    assert overlapped["overlap"] > 0.0
+    # An asynchronous collective ends when the backend completes it; whether that comes before
+    # the compute it was issued ahead of starts is up to the CPU's scheduler (in one CI run every
+    # collective of "block" did, on both ranks: 0.0, where 0.15 to 0.45 is usual). So at least
+    # one of the launch's asynchronous runs must show some, not each.
+    asynchronous = [name for name in table.timelines if name != "block sync"]
+    assert max(table.row(name)["overlap"] for name in asynchronous) > 0.0
     # same collectives, same numbers: only the timing differs
     assert sync["gathered_bytes"] == overlapped["gathered_bytes"] and sync["loss"] == overlapped["loss"]
 
