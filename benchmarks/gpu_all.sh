@@ -33,7 +33,12 @@ step environment 60 "$PY" -c "
 import torch, torch.distributed as dist
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())
 print(torch.cuda.get_device_name(0), 'nccl', dist.is_nccl_available() and torch.cuda.nccl.version())
-import fsdp_lab; print('fsdp_lab from', fsdp_lab.__file__)"
+import fsdp_lab; print('fsdp_lab from', fsdp_lab.__file__)
+# the host CPU: the suite's CPU ranks compute bf16 with its kernels (AMX where it has it)
+info = open('/proc/cpuinfo').read() if __import__('os').path.exists('/proc/cpuinfo') else ''
+model = next((l.split(':', 1)[1].strip() for l in info.splitlines() if l.startswith('model name')), 'unknown')
+flags = set(next((l.split(':', 1)[1].split() for l in info.splitlines() if l.startswith('flags')), []))
+print('host cpu', model, '| bf16 isa:', sorted(flags & {'amx_bf16', 'amx_tile', 'avx512_bf16'}) or 'none')"
 
 # pyproject's addopts name nbval's options; this run collects tests only, so it drops them.
 # PYTEST_EXTRA: more pytest arguments (e.g. --ignore-glob='tests/test_workshop*' where the lab
