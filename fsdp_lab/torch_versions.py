@@ -3,8 +3,9 @@ so the FSDPs read as if there were one.
 
 Both FSDPs refill storage that autograd may have saved in forward (an all-gather into the
 unsharded parameters). That refill is not a change to the values autograd saw, so the version
-counters autograd checks at backward must read as before it. torch 2.7 and later take a tuple of
-tensors for that; torch 2.6 takes one tensor at a time.
+counters autograd checks at backward must read as before it. Newer releases take a tuple of
+tensors for that (2.11, 2.13 and 2.14 checked); torch 2.6 takes one tensor at a time. Which form
+this torch takes is tried once, at import.
 """
 
 from __future__ import annotations
