@@ -7,6 +7,8 @@ matplotlib.use("Agg")  # plots are tested headless
 import pytest
 import torch
 
+from _torch_reference import torch_fsdp2_reference  # noqa: F401 - a fixture, for every test module
+
 # Two cores are shared by all ranks of a test; keep the parent process from competing.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -147,8 +147,7 @@ def test_uneven_shapes_padded_like_torch_chunk(suite):
 
 
 @pytest.mark.parametrize("policy", ["fp32", "bf16"])
-@needs_torch_fsdp2_on_cpu
-def test_matches_torch_fully_shard(suite, policy):
+def test_matches_torch_fully_shard(suite, policy, torch_fsdp2_reference):
     world, results = suite
     ours, theirs = results[0][f"vs_torch_{policy}_ours"], results[0][f"vs_torch_{policy}_torch"]
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=TOL)

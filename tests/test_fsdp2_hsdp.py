@@ -97,8 +97,7 @@ def test_parameters_are_sharded_over_the_shard_dim_and_replicated(ranks):
         assert r["ours"]["local_rows"] == r["torch"]["local_rows"] == 128 // SHARDS
 
 
-@needs_torch_fsdp2_on_cpu
-def test_hsdp_matches_pytorch_fsdp2_hsdp(ranks):
+def test_hsdp_matches_pytorch_fsdp2_hsdp(torch_fsdp2_reference, ranks):
     for r in ranks:
         assert max(abs(a - b) for a, b in zip(r["ours"]["losses"], r["torch"]["losses"])) < 1e-6
         for key, value in r["torch"]["full"].items():

@@ -16,7 +16,6 @@ from fsdp_lab.qlora import (
     merge_lora,
     to_nf4,
 )
-from _torch_reference import needs_torch_fsdp2_on_cpu
 
 DIM, HIDDEN, VOCAB = 32, 48, 50
 
@@ -282,8 +281,7 @@ def torch_fsdp2_results():
     return launch(_torch_fsdp2_worker, FSDP_STEPS, world_size=2, timeout=180)
 
 
-@needs_torch_fsdp2_on_cpu
-def test_qlora_under_torch_fsdp2_matches_single_process(torch_fsdp2_results):
+def test_qlora_under_torch_fsdp2_matches_single_process(torch_fsdp2_reference, torch_fsdp2_results):
     reference = _fsdp_model()
     initial = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
     optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
