@@ -2,11 +2,12 @@
 
     python benchmarks/memory_tracker.py
     PYTHONPATH=. python benchmarks/memory_tracker.py --batch-size 8 --seq-len 128 --steps 10
-    python benchmarks/memory_tracker.py --no-allocator   # without building the C++ allocation log
+    python benchmarks/memory_tracker.py --no-allocator   # without building the C++ ledger
+    python benchmarks/memory_tracker.py --batch-size 1 --seq-len 16 --threads 1 --out benchmarks/results/memory_tracker_small_cpu.json
 
 Steps alternate (plain, do-nothing dispatch mode, PyTorch's profiler recording allocations,
-tracked, tracked from the allocator, plain ...) in one process so all see the same machine load;
-the median step time of each is reported with its ratio to the plain step (target for the
+tracked, tracked from the allocator, plain ...) in one process so all see the same machine load,
+each after a full garbage collection (not timed) so that it collects its own garbage only; the median step time of each is reported with its ratio to the plain step (target for the
 tracker <= 1.10). The
 do-nothing mode is the floor: what entering a Python ``TorchDispatchMode`` for every op costs
 before the tracker does any work. The profiler (``torch.profiler.profile(profile_memory=True)``,
@@ -18,10 +19,12 @@ instrument PyTorch ships; and that profiler as a tracker would use it (``profile
 each saved tensor marked in its stream, the stream read back after the step. PyTorch's own
 ``MemTracker`` (``torch.distributed._tools.mem_tracker``, also a ``TorchDispatchMode``) runs the
 same step too: its cost beside ours, and its peak beside ours (the same bytes:
-tests/test_memory_tracker.py checks it). And the route that meets the target on CPU (not on a GPU):
-``MemoryTracker(source="allocator")`` (``tracked_allocator``; its C++ allocation log is built at
-first use, skipped with the reason where no C++ compiler is found), timed with its results read,
-beside the log alone (``allocation_log``, this route's floor), and once more split into its
+tests/test_memory_tracker.py checks it). And the route that meets the target on CPU at the default
+size (not on a GPU, nor on CPU for a step as small as the last command's, 16 tokens):
+``MemoryTracker(source="allocator")`` (``tracked_allocator``; its C++ ledger is built at first
+use, skipped with the reason where no C++ compiler is found), timed with its results read, beside
+the ledger alone booking the allocators' reports (``allocation_log``, this route's floor: no
+Python events, no hooks), and once more split into its
 phases by the wall clock (``allocator_phase_s``: making the tracker, entering it, the step, leaving
 it, reading the result, dropping it; medians); its peak, by category, is printed beside the
 dispatch tracker's. The ops of one step are counted, and each instrument's cost per op printed:
@@ -40,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
 import statistics
+import sys
 import time
 
 import torch
@@ -52,6 +57,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_lab.dist import current_device
 from fsdp_lab.memory import allocation_log
 from fsdp_lab.memory.estimate import estimate
+from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS
+from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.memory.tracker import MemoryTracker
 from fsdp_lab.models.data import global_batch
 from fsdp_lab.models.llama import Llama
@@ -188,11 +195,16 @@ def main() -> dict:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind (medians of these)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's CPU threads (default: torch's own choice); 1 takes the idle worker's spinning "
+                             "out of a small step's CPU time")
     parser.add_argument("--no-allocator", dest="allocator", action="store_false",
                         help="skip MemoryTracker(source='allocator') (it builds a C++ extension at first use)")
     parser.add_argument("--out", default=None,
                         help="JSON path (default benchmarks/results/memory_tracker_<cpu|cuda>.json)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     device = current_device()
     model = Llama(args.config, seed=0).to(device)
@@ -211,6 +223,10 @@ def main() -> dict:
 
     def timed(kind: str) -> tuple[float, float]:
         """One step of ``kind``: (seconds by ``clock``, seconds by the wall clock)."""
+        # each kind starts with the collector's young generations empty, so it pays for
+        # collecting its own garbage and no other's (the plain step comes right after PyTorch's
+        # MemTracker, whose garbage it used to collect: every ratio came out 5 to 12% low)
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start, wall_start = clock(), time.perf_counter()
@@ -242,10 +258,11 @@ def main() -> dict:
             for name, seconds in phases.items():
                 phase_times[name].append(seconds)
         elif kind == "allocation_log":
-            log.start(device.type)
+            ledger = log.Ledger(device.type, list(CATEGORIES), list(SAVED_BECOME_ACTIVATIONS))
+            ledger.start()
             step()
-            last["log_reports"] = len(log.take(0)[0])
-            log.stop()
+            ledger.stop()
+            last["log_reports"] = ledger.reports()
         elif kind == "torch_mem_tracker":
             reference = torch_mem_tracker()
             reference.track_external(model, optimizer, batch.input_ids, batch.labels)
@@ -297,6 +314,7 @@ def main() -> dict:
         "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "load_average_1min": load_before,
+        "arguments": " ".join(sys.argv[1:]),
         "config": args.config, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
         "plain_step_s": median["plain"], "dispatch_floor_step_s": median["dispatch_floor"],
         "tracked_step_s": median["tracked"], "profiler_memory_step_s": median["profiler_memory"],
@@ -347,7 +365,7 @@ def main() -> dict:
           + ")")
     if allocator_missing is None:
         print(f"ratio tracked from the allocator/plain: {result['allocator_ratio']:.2f}  (target <= 1.10; "
-              f"its C++ allocation log alone: {result['allocation_log_ratio']:.2f})")
+              f"its C++ ledger alone: {result['allocation_log_ratio']:.2f})")
         print("  by phase (ms): " + ", ".join(f"{name} {1e3 * t:.2f}" for name, t in result["allocator_phase_s"].items())
               + f"  (wall clock; the plain step: {1e3 * result['plain_wall_step_s']:.2f})")
     if device.type == "cpu":

@@ -121,8 +121,7 @@ def test_saved_batch_counts_as_activations_wherever_it_was_made(batch_made, sour
         def category(t):
             if source == "dispatch":
                 return mt._live[t.untyped_storage()._cdata].category
-            mt._catch_up()  # the allocator's records are keyed by address, replayed on demand
-            return mt._record(t.untyped_storage().data_ptr()).category
+            return mt._category_at(t.untyped_storage().data_ptr())  # the allocator's are keyed by address
 
         out = model(batch)
         # the embedding saves the input ids, the loss its labels: 8 bytes a token each

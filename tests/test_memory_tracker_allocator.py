@@ -111,7 +111,7 @@ def _rank_sharded_cases(names):
 def test_sharded_models_on_two_ranks():
     """FSDP1 and FSDP2, with and without CPU offload. After the step every category but ``other``
     (pre-existing tensors an op reads, which only dispatch counts) is what dispatch counts: no
-    allocation outlives its free in the replay. The peak is never below dispatch's: gloo's
+    allocation outlives its free in the ledger. The peak is never below dispatch's: gloo's
     collectives allocate buffers inside themselves, which dispatch does not see; how long they
     live depends on the other rank's timing, so this peak moves from step to step (as PyTorch's
     profiler's does: up to 9% on this model), where dispatch's does not."""
@@ -210,6 +210,32 @@ def test_to_the_rest_of_torch_the_log_is_a_profiler_switched_off():
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root)
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.split() == ["False", "ActiveProfilerType.NONE", "40"]
+
+
+def test_saved_tensors_of_a_graph_the_collector_frees_are_released():
+    """Autograd's saved tensors are held by the ledger's own objects (no Python per tensor): a
+    graph kept only by a reference cycle and freed by the collector while tracking lets go of its
+    saved tensor, whose bytes count as activations before and as temporaries after (it is still
+    alive); the graph's output is freed. Results read after the tracker exits stay as they were
+    when it exited, though the graph still held there is freed later."""
+    import gc
+
+    w = torch.ones(256, requires_grad=True)
+    with MemoryTracker(source="allocator") as tracker:
+        x = torch.ones(256) + 1  # 1 KiB, saved for backward by the product below
+        y = x * w
+        before = tracker.current()
+        cycle = [y]
+        cycle.append(cycle)
+        del y, cycle
+        gc.collect()
+        after = tracker.current()
+        kept = (x * w).sum()  # still holds x saved when the tracker exits
+    at_exit = tracker.current()
+    del kept
+    assert (before["activations"], before["temporaries"]) == (1024, 1024)
+    assert (after["activations"], after["temporaries"]) == (0, 1024)
+    assert at_exit["activations"] == 1024 and tracker.current() == at_exit
 
 
 def test_a_failed_build_names_the_fix(monkeypatch):

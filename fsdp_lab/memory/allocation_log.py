@@ -1,4 +1,5 @@
-"""The compiled allocation log behind ``MemoryTracker(source="allocator")``.
+"""The compiled ledger behind ``MemoryTracker(source="allocator")``: it hears the allocators'
+reports and books them as they come (``allocation_log.cpp`` says how).
 
 ``allocation_log.cpp`` is built once per machine by ``torch.utils.cpp_extension.load`` (about a
 minute; cached on disk by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``),
@@ -34,8 +35,9 @@ def toolchain_missing() -> str | None:
 
 
 def load():
-    """The extension module (``start(device)``, ``position()``, ``take(first)``, ``stop()``),
-    built at the first call on this machine.
+    """The extension module (its ``Ledger`` class: ``start()``, the events, ``pack``/``unpack``
+    for autograd's saved-tensor hooks, ``results()``, ``stop()``), built at the first call on
+    this machine.
 
     Raises RuntimeError naming what failed (no compiler, no ninja, no headers) and the fix.
     """

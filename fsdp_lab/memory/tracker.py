@@ -87,8 +87,8 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
             else cpu). Fake tensors count as the device they pretend to be on.
         phase_modules: names of submodules that mark phases (default: see ``model``).
         source: "dispatch" (default): every op seen from Python, on any device and on fake
-            tensors; "allocator": the allocators' reports logged in C++ and replayed, about 1.1x a
-            small CPU step where dispatch costs 1.3x to 1.8x, but it compiles a C++ extension at
+            tensors; "allocator": the allocators' reports booked in C++ as they come, about 1.05x
+            a small CPU step where dispatch costs 1.3x to 1.8x, but it compiles a C++ extension at
             first use and sees a few things differently (``memory.allocator_tracker`` lists them).
 
     Raises ValueError for a ``phase_modules`` name the model does not have, an unknown

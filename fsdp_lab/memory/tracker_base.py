@@ -177,13 +177,13 @@ class TrackerBase(StorageLedger):
         assigns sharded gradients without the accumulation hook), the end mark, and on CUDA the
         allocator's own figures."""
         if self.model is not None:
-            self._classify([p.grad for p in self.model.parameters() if p.grad is not None], "grads")
+            self._classify([p.grad for p in self._params if p.grad is not None], "grads")
         if self.optimizer is not None:
             self._classify(_state_tensors(self.optimizer), "optimizer_state")
         self._mark("end")
         self._active = False
         if self._device_type == "cuda":
-            self._cuda = cuda_stats(self.device, self._peak_total)
+            self._cuda = cuda_stats(self.device, self.peak_total())
 
     # ---- results -----------------------------------------------------------------------
 
