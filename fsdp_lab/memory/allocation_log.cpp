@@ -69,9 +69,10 @@ struct Ledger : public profiler::ProfilerStateBase {
   }
 
   ~Ledger() override {
-    if (!watch_refs.empty()) {  // the last owner may be a thread without the GIL (autograd's)
+    if (!watch_refs.empty() || on_gone) {  // the last owner may be a thread without the GIL (autograd's)
       py::gil_scoped_acquire gil;
       watch_refs.clear();
+      on_gone = py::object();
     }
   }
 
@@ -272,8 +273,8 @@ struct Ledger : public profiler::ProfilerStateBase {
 
   // touched only with the GIL held (from Python, or from a weak reference's callback)
   std::unordered_set<int64_t> never_saved;  // parameters and buffers: never activations
-  std::unordered_map<int64_t, py::object> watch_refs;
-  int64_t last_watch = 0;
+  std::unordered_map<int64_t, py::object> watch_refs;  // weak references by their address
+  py::object on_gone;                                  // their callback
 };
 
 using LedgerPtr = std::shared_ptr<Ledger>;
@@ -281,29 +282,34 @@ LedgerPtr listening;  // the ledger pushed on the tracking thread: one at a time
 
 // ---- what Python hands over (the GIL is held) -----------------------------------------------
 
-// follow the storage object `storage` by weak reference: record `id` is freed when it dies
+// follow the storage object `storage` by weak reference: record `id` is freed when it dies.
+// A watch is known by its weak reference's address; one callback serves all of a ledger's.
 void watch(const LedgerPtr& ledger, py::handle storage, int64_t address, uint64_t id) {
   if (!id) return;
-  int64_t key = ++ledger->last_watch;
+  if (!ledger->on_gone) {
+    std::weak_ptr<Ledger> weak = ledger;  // the callback must not keep the ledger alive
+    ledger->on_gone = py::cpp_function([weak](py::handle ref) {
+      auto alive = weak.lock();
+      if (!alive) return;
+      auto key = reinterpret_cast<int64_t>(ref.ptr());
+      alive->watched_gone(key);
+      auto found = alive->watch_refs.find(key);
+      if (found != alive->watch_refs.end()) {
+        py::object kept = std::move(found->second);  // (the call holds the reference too)
+        alive->watch_refs.erase(found);
+      }
+    });
+  }
+  PyObject* ref = PyWeakref_NewRef(storage.ptr(), ledger->on_gone.ptr());
+  if (ref == nullptr) throw py::error_already_set();
+  py::object owned = py::reinterpret_steal<py::object>(ref);
+  auto key = reinterpret_cast<int64_t>(ref);
   {
     std::lock_guard<std::mutex> held(ledger->mutex);
     if (ledger->frozen) return;
     ledger->watched[key] = {address, id};
   }
-  std::weak_ptr<Ledger> weak = ledger;  // the reference must not keep the ledger alive
-  py::cpp_function gone([weak, key](py::handle) {
-    if (auto alive = weak.lock()) {
-      alive->watched_gone(key);
-      auto found = alive->watch_refs.find(key);
-      if (found != alive->watch_refs.end()) {
-        py::object ref = std::move(found->second);  // (the call holds the reference too)
-        alive->watch_refs.erase(found);
-      }
-    }
-  });
-  PyObject* ref = PyWeakref_NewRef(storage.ptr(), gone.ptr());
-  if (ref == nullptr) throw py::error_already_set();
-  ledger->watch_refs[key] = py::reinterpret_steal<py::object>(ref);
+  ledger->watch_refs[key] = std::move(owned);
 }
 
 bool has_own_dispatch(PyObject* obj) {  // a tensor subclass with __torch_dispatch__ (a wrapper, say)
