@@ -69,11 +69,15 @@ struct Ledger : public profiler::ProfilerStateBase {
   }
 
   ~Ledger() override {
-    if (!watch_refs.empty() || on_gone) {  // the last owner may be a thread without the GIL (autograd's)
-      py::gil_scoped_acquire gil;
-      watch_refs.clear();
-      on_gone = py::object();
+    if (watch_refs.empty() && !on_gone) return;  // (a frozen ledger holds no Python objects)
+    if (!Py_IsInitialized()) {  // a ledger still listening when the process ends: Python is gone
+      for (auto& entry : watch_refs) entry.second.release();
+      on_gone.release();
+      return;
     }
+    py::gil_scoped_acquire gil;  // the last owner may be a thread without the GIL (autograd's)
+    watch_refs.clear();
+    on_gone = py::object();
   }
 
   int category(const std::string& name) const {
@@ -428,6 +432,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           self->frozen = true;
         }
         self->watch_refs.clear();
+        self->on_gone = py::object();
       })
       .def("never_save", [](const LedgerPtr& self, const std::vector<int64_t>& addresses) {
         self->never_saved.insert(addresses.begin(), addresses.end());
