@@ -223,9 +223,9 @@ def main() -> dict:
 
     def timed(kind: str) -> tuple[float, float]:
         """One step of ``kind``: (seconds by ``clock``, seconds by the wall clock)."""
-        # each kind starts with the collector's young generations empty, so it pays for
-        # collecting its own garbage and no other's (the plain step comes right after PyTorch's
-        # MemTracker, whose garbage it used to collect: every ratio came out 5 to 12% low)
+        # each kind starts with nothing left to collect, so it pays for collecting its own
+        # garbage and no other kind's (the plain step comes right after PyTorch's MemTracker;
+        # without this the ratios depended on the kinds' order)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize()
