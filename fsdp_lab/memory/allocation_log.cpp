@@ -467,7 +467,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (!self->frozen) self->pending = -1;
       })
       // results (bytes): {"peak", "current", "max_by_category": {category: bytes}, "peak_total",
-      // "peak_label", "timeline": [(label, {category: bytes})]}
+      // "peak_label", "timeline": [(label, {category: bytes})]}; peak_total() alone is cheaper
       .def("results", [](const LedgerPtr& self) {
         Results r = self->results();
         py::list timeline;
@@ -480,6 +480,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         out["peak_label"] = r.peak_label;
         out["timeline"] = timeline;
         return out;
+      })
+      .def("peak_total", [](const LedgerPtr& self) {
+        std::lock_guard<std::mutex> held(self->mutex);
+        return std::max<int64_t>(self->peak_total, 0);
       })
       .def("live_bytes", [](const LedgerPtr& self) {
         std::lock_guard<std::mutex> held(self->mutex);

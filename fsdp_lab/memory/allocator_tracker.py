@@ -198,7 +198,8 @@ class AllocatorTracker(TrackerBase):
         return super().peak()
 
     def peak_total(self) -> int:
-        self._copy_results()
+        if self._ledger is not None and not self._final:  # (asked on CUDA as the tracker exits)
+            return self._ledger.peak_total()
         return super().peak_total()
 
     def current(self) -> dict[str, int]:
