@@ -75,6 +75,22 @@ def test_peak_is_the_highest_moment_and_frees_are_seen(source):
 
 
 @SOURCES
+def test_optimizer_state_from_before_tracking_is_followed_to_its_end(source):
+    """AdamW's state (two 256-float moments and a step counter per parameter) existed before the
+    tracker started; dropped while it runs, its bytes leave. (The allocator never heard those
+    blocks allocated, and on CPU it cannot report their free: the tracker watches them.)"""
+    model = torch.nn.Linear(16, 16, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    with MemoryTracker(model, opt, source=source) as mt:
+        assert mt.current()["optimizer_state"] == 2 * 256 * F32 + F32
+        opt.state.clear()
+        assert mt.current()["optimizer_state"] == 0
+        assert mt.current()["params"] == 256 * F32
+
+
+@SOURCES
 def test_storage_resize_is_accounted(source):
     with MemoryTracker(source=source) as mt:
         t = torch.empty(1000)
