@@ -57,8 +57,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fsdp_lab.dist import current_device
 from fsdp_lab.memory import allocation_log
 from fsdp_lab.memory.estimate import estimate
-from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS
-from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.memory.tracker import MemoryTracker
 from fsdp_lab.models.data import global_batch
 from fsdp_lab.models.llama import Llama
@@ -72,8 +70,8 @@ ALLOCATOR_PHASES = ("make", "enter", "step", "exit", "result", "drop")
 def _allocator_phases(model, optimizer, step, clock, device) -> dict[str, float]:
     """One step under ``MemoryTracker(source="allocator")``, timed phase by phase (seconds by
     ``clock``): making the tracker, entering it, the step (with the device synchronised after it),
-    leaving it (the log's replay), reading its result, dropping it (its ledger and records
-    freed)."""
+    leaving it (the end state, the results copied out of the ledger), reading its result,
+    dropping it."""
     seconds, start = {}, clock()
 
     def lap(name):
@@ -258,7 +256,7 @@ def main() -> dict:
             for name, seconds in phases.items():
                 phase_times[name].append(seconds)
         elif kind == "allocation_log":
-            ledger = log.Ledger(device.type, list(CATEGORIES), list(SAVED_BECOME_ACTIVATIONS))
+            ledger = allocation_log.new_ledger(device.type)
             ledger.start()
             step()
             ledger.stop()
@@ -280,10 +278,11 @@ def main() -> dict:
     kinds = ("plain", "dispatch_floor", "profiler_memory", "tracked")
     if allocations_only.available:
         kinds = kinds[:3] + ("allocations_only", "profiler_stream") + kinds[3:]
-    allocator_missing, log = "--no-allocator", None
+    allocator_missing = "--no-allocator"
     if args.allocator:
         try:
-            log, allocator_missing = allocation_log.load(), None
+            allocation_log.load()  # built here, at the first run on this machine
+            allocator_missing = None
             kinds += ("tracked_allocator", "allocator_phases", "allocation_log")
         except RuntimeError as error:
             allocator_missing = str(error)

@@ -232,10 +232,11 @@ def test_saved_tensors_of_a_graph_the_collector_frees_are_released():
         after = tracker.current()
         kept = (x * w).sum()  # still holds x saved when the tracker exits
     at_exit = tracker.current()
-    del kept
+    del kept  # lets go of x, saved: the ledger, frozen at exit, books nothing of it
     assert (before["activations"], before["temporaries"]) == (1024, 1024)
     assert (after["activations"], after["temporaries"]) == (0, 1024)
     assert at_exit["activations"] == 1024 and tracker.current() == at_exit
+    assert tracker._category_at(x.untyped_storage().data_ptr()) == "activations"
 
 
 def test_a_failed_build_names_the_fix(monkeypatch):

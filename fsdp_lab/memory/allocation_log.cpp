@@ -69,14 +69,14 @@ struct Ledger : public profiler::ProfilerStateBase {
   }
 
   ~Ledger() override {
-    if (watch_refs.empty() && !on_gone) return;  // (a frozen ledger holds no Python objects)
+    if (watches.empty() && !on_gone) return;  // (a frozen ledger holds no Python objects)
     if (!Py_IsInitialized()) {  // a ledger still listening when the process ends: Python is gone
-      for (auto& entry : watch_refs) entry.second.release();
+      for (auto& entry : watches) entry.second.ref.release();
       on_gone.release();
       return;
     }
     py::gil_scoped_acquire gil;  // the last owner may be a thread without the GIL (autograd's)
-    watch_refs.clear();
+    watches.clear();
     on_gone = py::object();
   }
 
@@ -196,8 +196,9 @@ struct Ledger : public profiler::ProfilerStateBase {
   }
 
   // autograd saved a tensor of this storage: while saved it counts as activations, if its role is
-  // one that saving turns into activations. (token for its release or 0, id of a record booked new)
-  std::pair<int64_t, uint64_t> save(int64_t address, int64_t nbytes) {
+  // one that saving turns into activations. (id of the record counted as saved, to release, or 0;
+  // id of a record booked new, or 0)
+  std::pair<uint64_t, uint64_t> save(int64_t address, int64_t nbytes) {
     std::lock_guard<std::mutex> held(mutex);
     if (frozen) return {0, 0};
     bool inserted;
@@ -205,19 +206,13 @@ struct Ledger : public profiler::ProfilerStateBase {
     uint64_t new_id = inserted ? r->id : 0;
     if (r == nullptr || !becomes_activation[r->base]) return {0, new_id};
     change(address, *r, -1, 1);
-    saved_by_token[++last_token] = {address, r->id};
-    return {last_token, new_id};
+    return {r->id, new_id};
   }
 
-  void release(int64_t token) {
+  void release(int64_t address, uint64_t id) {  // autograd let go of what save() counted
     std::lock_guard<std::mutex> held(mutex);
-    if (frozen) return;
-    auto found = saved_by_token.find(token);
-    if (found == saved_by_token.end()) return;
-    auto [address, id] = found->second;
-    saved_by_token.erase(found);
     Record* r = find(address);
-    if (r && r->id == id) change(address, *r, -1, -1);
+    if (!frozen && r && r->id == id) change(address, *r, -1, -1);
   }
 
   // a model input: counts as `other` if nothing claimed it yet; its record's id
@@ -229,14 +224,10 @@ struct Ledger : public profiler::ProfilerStateBase {
     return r ? r->id : 0;
   }
 
-  void watched_gone(int64_t watch) {  // a watched storage died: its free, unheard otherwise
+  void gone(int64_t address, uint64_t id) {  // a watched storage died: its free, unheard otherwise
     std::lock_guard<std::mutex> held(mutex);
-    auto found = watched.find(watch);
-    if (frozen || found == watched.end()) return;
-    auto [address, id] = found->second;
-    watched.erase(found);
     Record* r = find(address);
-    if (r && r->id == id) free(address);
+    if (!frozen && r && r->id == id) free(address);
   }
 
   void mark(const std::string& name) {
@@ -272,13 +263,16 @@ struct Ledger : public profiler::ProfilerStateBase {
   int scope = -1;    // the innermost tag_scope's category: the role of new allocations
   int pending = -1;  // the role of the next allocation (the one a resize makes)
   uint64_t last_id = 0;
-  std::unordered_map<int64_t, std::pair<int64_t, uint64_t>> saved_by_token, watched;  // -> (address, id)
-  int64_t last_token = 0;
 
   // touched only with the GIL held (from Python, or from a weak reference's callback)
   std::unordered_set<int64_t> never_saved;  // parameters and buffers: never activations
-  std::unordered_map<int64_t, py::object> watch_refs;  // weak references by their address
-  py::object on_gone;                                  // their callback
+  struct Watch {
+    py::object ref;  // the weak reference to the storage object
+    int64_t address;
+    uint64_t id;     // the record it frees when the storage dies
+  };
+  std::unordered_map<int64_t, Watch> watches;  // by the weak reference's address
+  py::object on_gone;                          // their callback
 };
 
 using LedgerPtr = std::shared_ptr<Ledger>;
@@ -295,25 +289,16 @@ void watch(const LedgerPtr& ledger, py::handle storage, int64_t address, uint64_
     ledger->on_gone = py::cpp_function([weak](py::handle ref) {
       auto alive = weak.lock();
       if (!alive) return;
-      auto key = reinterpret_cast<int64_t>(ref.ptr());
-      alive->watched_gone(key);
-      auto found = alive->watch_refs.find(key);
-      if (found != alive->watch_refs.end()) {
-        py::object kept = std::move(found->second);  // (the call holds the reference too)
-        alive->watch_refs.erase(found);
-      }
+      auto found = alive->watches.find(reinterpret_cast<int64_t>(ref.ptr()));
+      if (found == alive->watches.end()) return;
+      Ledger::Watch watch = std::move(found->second);  // (the call holds the reference too)
+      alive->watches.erase(found);
+      alive->gone(watch.address, watch.id);
     });
   }
   PyObject* ref = PyWeakref_NewRef(storage.ptr(), ledger->on_gone.ptr());
   if (ref == nullptr) throw py::error_already_set();
-  py::object owned = py::reinterpret_steal<py::object>(ref);
-  auto key = reinterpret_cast<int64_t>(ref);
-  {
-    std::lock_guard<std::mutex> held(ledger->mutex);
-    if (ledger->frozen) return;
-    ledger->watched[key] = {address, id};
-  }
-  ledger->watch_refs[key] = std::move(owned);
+  ledger->watches[reinterpret_cast<int64_t>(ref)] = {py::reinterpret_steal<py::object>(ref), address, id};
 }
 
 bool has_own_dispatch(PyObject* obj) {  // a tensor subclass with __torch_dispatch__ (a wrapper, say)
@@ -355,22 +340,24 @@ py::list roles(const LedgerPtr& ledger, const py::iterable& tensors, const std::
       py::object tagged = category_of(storage);
       if (!tagged.is_none()) category = ledger->category(tagged.cast<std::string>());
     }
-    uint64_t id = ledger->role(address_of(*t), static_cast<int64_t>(t->storage().nbytes()), category);
-    if (id) watch(ledger, storage ? storage : storage_object(*t), address_of(*t), id);
+    int64_t address = address_of(*t);
+    uint64_t id = ledger->role(address, static_cast<int64_t>(t->storage().nbytes()), category);
+    if (id) watch(ledger, storage ? storage : storage_object(*t), address, id);
   }
   return unbooked;
 }
 
 // what pack() returns for a tensor whose storage counts as saved: its end is the release
 struct SavedForBackward {
-  SavedForBackward(py::object tensor, LedgerPtr ledger, int64_t token)
-      : tensor(std::move(tensor)), ledger(std::move(ledger)), token(token) {}
+  SavedForBackward(py::object tensor, LedgerPtr ledger, int64_t address, uint64_t id)
+      : tensor(std::move(tensor)), ledger(std::move(ledger)), address(address), id(id) {}
   SavedForBackward(const SavedForBackward&) = delete;
   SavedForBackward& operator=(const SavedForBackward&) = delete;
-  ~SavedForBackward() { ledger->release(token); }
+  ~SavedForBackward() { ledger->release(address, id); }
   py::object tensor;
   LedgerPtr ledger;
-  int64_t token;
+  int64_t address;
+  uint64_t id;  // the record counted as saved
 };
 
 // autograd's pack hook: a tensor saved for backward
@@ -379,12 +366,13 @@ py::object pack(const LedgerPtr& ledger, const py::object& obj) {
   if (t == nullptr) return obj;
   int64_t address = address_of(*t);
   if (ledger->never_saved.count(address)) return obj;
-  auto [token, id] = ledger->save(address, static_cast<int64_t>(t->storage().nbytes()));
+  auto [saved, id] = ledger->save(address, static_cast<int64_t>(t->storage().nbytes()));
   if (id) watch(ledger, storage_object(*t), address, id);
   // a tensor without grad_fn is kept as it is (no cycle through autograd's graph): no detach
   py::object kept = t->grad_fn() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(t->detach())) : obj;
-  if (!token) return kept;
-  return py::cast(new SavedForBackward(std::move(kept), ledger, token), py::return_value_policy::take_ownership);
+  if (!saved) return kept;
+  return py::cast(new SavedForBackward(std::move(kept), ledger, address, saved),
+                  py::return_value_policy::take_ownership);
 }
 
 py::object unpack(const py::object& packed) {
@@ -431,7 +419,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           std::lock_guard<std::mutex> held(self->mutex);
           self->frozen = true;
         }
-        self->watch_refs.clear();
+        self->watches.clear();
         self->on_gone = py::object();
       })
       .def("never_save", [](const LedgerPtr& self, const std::vector<int64_t>& addresses) {

@@ -54,3 +54,13 @@ def load():
                 "(g++ or clang) and ninja (`pip install ninja`), or track with the default "
                 "source='dispatch', which needs no compiler") from error
     return _loaded
+
+
+def new_ledger(device_type: str):
+    """A ``Ledger`` for storages on ``device_type`` ("cpu" or "cuda"), with the dispatch tracker's
+    categories and rules (``memory.tags.CATEGORIES``, ``memory.ledger.SAVED_BECOME_ACTIVATIONS``);
+    not listening until its ``start()``. Raises RuntimeError as ``load()`` does."""
+    from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS
+    from fsdp_lab.memory.tags import CATEGORIES
+
+    return load().Ledger(device_type, list(CATEGORIES), list(SAVED_BECOME_ACTIVATIONS))

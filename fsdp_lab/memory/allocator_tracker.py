@@ -46,8 +46,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fsdp_lab.memory import allocation_log, tags
-from fsdp_lab.memory.ledger import SAVED_BECOME_ACTIVATIONS
-from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.memory.tracker_base import TrackerBase, _is_plain, _plain_tensors, _state_tensors
 
 
@@ -123,9 +121,9 @@ class AllocatorTracker(TrackerBase):
         if any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack()):
             raise ValueError("MemoryTracker(source='allocator') under FakeTensorMode: fake tensors allocate "
                              "nothing, so the allocator reports nothing; use source='dispatch' (the default)")
-        compiled = allocation_log.load()
+        ledger = allocation_log.new_ledger(self._device_type)
         self._reset()
-        ledger = self._ledger = compiled.Ledger(self._device_type, list(CATEGORIES), list(SAVED_BECOME_ACTIVATIONS))
+        self._ledger = ledger
         # autograd's saved-tensor hooks call the ledger directly: no Python per saved tensor
         self._pack, self._unpack = ledger.pack, ledger.unpack
         self._active = True
