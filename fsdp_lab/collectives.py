@@ -25,14 +25,20 @@ Each function is synchronous by default; with ``async_op=True`` it returns a
 
 The instrumentation is kept small: before a collective is issued only a counter, a tuple and
 (when a recorder is registered) its start mark are taken; a synchronous collective is recorded
-with one call once it completes. benchmarks/launch_and_collectives.py measures the cost against
-bare ``torch.distributed``: about 1% of a 4 MiB gloo all-gather on CPU. On one GPU (an H200, NCCL,
-a world of 1, torch 2.11) a bare call takes 0.04 to 0.055 ms, most of it host time, and the
-instrumented one 1.9x that: this module alone 1.4x to 1.5x (a few microseconds of Python per call:
-the group's size and backend, the bookkeeping), a Timeline's two CUDA events 1.3x (2.6 us of host
-time each, and their place in the stream).
+with one call once it completes. The collective itself is issued through the process group's
+own method, as torch.distributed's function does once it has checked its arguments: the group's
+size, rank and backend are looked up once per group (``fsdp_lab.process_group``) instead of on every call, and
+the options object is made once per setting. Where that function would do more than check and
+call (a complex tensor, a ``__torch_function__`` subclass or mode, a coalescing group), the
+function itself is called. benchmarks/launch_and_collectives.py measures the cost against bare
+``torch.distributed``: about 1% of a 4 MiB gloo all-gather on CPU, and, on the host alone
+(torch's "fake" backend, a 16-float all-gather at a world of 1), about 0.6 us a call without a
+recorder and 1.5 us with a CPU Timeline, against a bare call of 3 us. On one GPU (an H200, NCCL,
+a world of 1, torch 2.11, measured before the group lookup was kept) a bare call took 0.04 to
+0.055 ms, most of it host time, and the instrumented one 1.9x that: a Timeline's two CUDA events
+1.3x (2.6 us of host time each, and their place in the stream).
 
-Imports point down: this module uses ``fsdp_lab.dist`` only; recorders such as the timeline,
+Imports point down: this module uses ``fsdp_lab.dist`` and ``fsdp_lab.process_group`` only; recorders such as the timeline,
 and ``fsdp_lab.bandwidth`` (which times these collectives), import this module, never the reverse.
 """
 
@@ -42,13 +48,15 @@ from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from fsdp_lab.dist import backend_for
+from fsdp_lab.process_group import ALL_GATHER, REDUCE_SCATTER, backend, direct, lookup, options
 
 # torch >= 2.13 names them all_gather_single and reduce_scatter_single; older versions only
 # have all_gather_into_tensor and reduce_scatter_tensor (the same collectives).
-_NATIVE_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_NATIVE_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_TORCH_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_TORCH_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -182,17 +190,26 @@ def release(tensor: torch.Tensor) -> None:
     tensor.untyped_storage().resize_(0)
 
 
+def _issue(method, async_op: bool, *args) -> list:
+    """Issue a collective through the process group's own ``method``: returns the work to wait
+    for when ``async_op``, else waits for it here, as torch.distributed's functions do, and
+    returns []."""
+    with _BLOCKING:
+        work = method(*args)
+        if work is None:
+            return []
+        if not async_op:
+            work.wait()
+            return []
+    return [work]
+
+
 def _reduce_op(op) -> dist.ReduceOp:
     if isinstance(op, str):
         if op not in _REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}; use one of {sorted(_REDUCE_OPS)}")
         return _REDUCE_OPS[op]
     return op
-
-
-def _backend(group, tensor: torch.Tensor) -> str:
-    # per tensor: a "cpu:gloo,cuda:nccl" group runs CPU tensors on gloo and CUDA tensors on NCCL
-    return backend_for(tensor.device.type, group)
 
 
 def _human_bytes(n: int) -> str:
@@ -234,7 +251,8 @@ def _run(works: list, finish: Callable[[], None] | None, entered: tuple | None, 
                                        group_size=group_size, **args, **(meta or {}))
             event.close_on_completion(works)
         return CollectiveHandle(works, finish, event)
-    _wait_for(works)
+    if works:
+        _wait_for(works)
     if finish is not None:
         finish()
     if entered is not None:
@@ -253,8 +271,8 @@ def _pending(work) -> list:
     return [] if work is None else [work]
 
 
-def _staging(tensor: torch.Tensor, group) -> bool:
-    return tensor.is_cuda and _backend(group, tensor) == "gloo"
+def _staging(tensor: torch.Tensor, info) -> bool:
+    return tensor.is_cuda and backend(info, tensor) == "gloo"
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None,
@@ -264,21 +282,25 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
     ``output.numel()`` must be ``input.numel() * group_size``; raises ValueError otherwise.
     Returns a ``CollectiveHandle`` when ``async_op`` else None.
     """
-    n = dist.get_world_size(group)
+    info = lookup(group)
+    n = info.size
     if output.numel() != input.numel() * n:
         raise ValueError(
             f"all_gather_into_tensor: output has {output.numel()} elements, expected "
             f"input.numel() * group size = {input.numel()} * {n}"
         )
     entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
-    if _staging(input, group):
+    if _staging(input, info):
         host_out, host_in = output.cpu(), input.cpu()
         with _BLOCKING:
-            work = _NATIVE_ALL_GATHER(host_out, host_in, group=group, async_op=async_op)
+            work = _TORCH_ALL_GATHER(host_out, host_in, group=group, async_op=async_op)
         return _run(_pending(work), lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
-    with _BLOCKING:
-        work = _NATIVE_ALL_GATHER(output, input, group=group, async_op=async_op)
-    return _run(_pending(work), None, entered, async_op, lane, meta, staged=False)
+    if direct(info, output, input):
+        works = _issue(getattr(info.pg, ALL_GATHER), async_op, output, input, options(c10d.AllgatherOptions, async_op))
+    else:
+        with _BLOCKING:
+            works = _pending(_TORCH_ALL_GATHER(output, input, group=group, async_op=async_op))
+    return _run(works, None, entered, async_op, lane, meta, staged=False)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum", group=None,
@@ -295,7 +317,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     reduce-scatter would; ``input``'s contents are undefined afterwards.
     Raises ValueError when ``input.numel() != output.numel() * group_size``.
     """
-    n = dist.get_world_size(group)
+    info = lookup(group)
+    n = info.size
     if input.numel() != output.numel() * n:
         raise ValueError(
             f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
@@ -303,16 +326,20 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         )
     reduce_op = _reduce_op(op)
     entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
-    if _backend(group, input) != "gloo":
-        with _BLOCKING:
-            work = _NATIVE_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=async_op)
-        return _run(_pending(work), None, entered, async_op, lane, meta, impl="native")
+    if backend(info, input) != "gloo":
+        if direct(info, output, input):
+            works = _issue(getattr(info.pg, REDUCE_SCATTER), async_op, output, input,
+                           options(c10d.ReduceScatterOptions, async_op, reduce_op))
+        else:
+            with _BLOCKING:
+                works = _pending(_TORCH_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=async_op))
+        return _run(works, None, entered, async_op, lane, meta, impl="native")
 
-    staged = _staging(input, group)
+    staged = _staging(input, info)
     send = input.detach().reshape(-1)
     send = send.cpu() if staged else send
     if input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, n, async_op)
+        works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, info, async_op)
         return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
     received = torch.empty_like(send)
     with _BLOCKING:
@@ -327,10 +354,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     return _run(_pending(work), finish, entered, async_op, lane, meta, impl="all_to_all+local_sum", staged=staged)
 
 
-def _reduce_chunks_in_place(output, flat, reduce_op, group, n, async_op):
+def _reduce_chunks_in_place(output, flat, reduce_op, group, info, async_op):
     """gloo reduce-scatter without a receive buffer: chunk r of ``flat`` is summed onto rank r."""
+    n, me = info.size, info.rank
     chunks = flat.view(n, -1)
-    me = dist.get_rank(group)
     with _BLOCKING:
         works = [dist.reduce(chunks[r], dst=dist.get_global_rank(group, r) if group is not None else r,
                              op=dist.ReduceOp.SUM, group=group, async_op=async_op) for r in range(n)]
@@ -361,16 +388,20 @@ def _local_reduce(chunks: torch.Tensor, reduce_op, n: int) -> torch.Tensor:
 def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = False,
                lane: str = "comm", name: str = "all_reduce", meta: dict | None = None):
     """Reduce ``tensor`` in place across ranks. "avg" on gloo is a SUM then a division."""
-    n = dist.get_world_size(group)
+    info = lookup(group)
+    n = info.size
     reduce_op = _reduce_op(op)
-    gloo = _backend(group, tensor) == "gloo"
-    staged = _staging(tensor, group)
+    gloo = backend(info, tensor) == "gloo"
+    staged = _staging(tensor, info)
     divide = gloo and reduce_op == dist.ReduceOp.AVG
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
-    with _BLOCKING:
-        work = dist.all_reduce(work_tensor, op=dist.ReduceOp.SUM if divide else reduce_op,
-                               group=group, async_op=async_op)
+    backend_op = dist.ReduceOp.SUM if divide else reduce_op
+    if direct(info, work_tensor):
+        works = _issue(info.pg.allreduce, async_op, [work_tensor], options(c10d.AllreduceOptions, async_op, backend_op))
+    else:
+        with _BLOCKING:
+            works = _pending(dist.all_reduce(work_tensor, op=backend_op, group=group, async_op=async_op))
 
     def finish() -> None:
         if divide:
@@ -378,20 +409,28 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
         if staged:
             tensor.copy_(work_tensor)
 
-    return _run(_pending(work), finish if divide or staged else None, entered, async_op, lane, meta, staged=staged)
+    return _run(works, finish if divide or staged else None, entered, async_op, lane, meta, staged=staged)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = False,
               lane: str = "comm", name: str = "broadcast", meta: dict | None = None):
     """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place."""
-    n = dist.get_world_size(group)
-    staged = _staging(tensor, group)
-    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
+    info = lookup(group)
+    staged = _staging(tensor, info)
+    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, info.size)
     work_tensor = tensor.cpu() if staged else tensor
-    with _BLOCKING:
-        work = dist.broadcast(work_tensor, src=src, group=group, async_op=async_op)
+    if direct(info, work_tensor):
+        root = c10d.BroadcastOptions()  # made per call: its root differs from call to call
+        root.rootRank = src if group is None else dist.get_group_rank(group, src)
+        root.rootTensor = 0
+        if hasattr(root, "asyncOp"):
+            root.asyncOp = async_op
+        works = _issue(info.pg.broadcast, async_op, [work_tensor], root)
+    else:
+        with _BLOCKING:
+            works = _pending(dist.broadcast(work_tensor, src=src, group=group, async_op=async_op))
     finish = (lambda: tensor.copy_(work_tensor)) if staged else None
-    return _run(_pending(work), finish, entered, async_op, lane, meta, staged=staged)
+    return _run(works, finish, entered, async_op, lane, meta, staged=staged)
 
 
 def ensure_reducible(dtype: torch.dtype, group=None) -> None:
@@ -402,8 +441,8 @@ def ensure_reducible(dtype: torch.dtype, group=None) -> None:
     for gradient reductions by the FSDP policies, not here.
     """
     device = "cuda" if backend_for("cuda", group) == "nccl" else "cpu"  # where gradients are reduced
-    backend = backend_for(device, group)
-    key = (backend, dtype)
+    backend_name = backend_for(device, group)
+    key = (backend_name, dtype)
     if key not in _reducible_checked:
         probe = torch.zeros(1, dtype=dtype, device=device)
         try:
@@ -414,6 +453,6 @@ def ensure_reducible(dtype: torch.dtype, group=None) -> None:
             _reducible_checked[key] = False
     if not _reducible_checked[key]:
         raise TypeError(
-            f"the {backend} backend of torch {torch.__version__} cannot reduce {dtype}; "
+            f"the {backend_name} backend of torch {torch.__version__} cannot reduce {dtype}; "
             f"set reduce_dtype=torch.float32 in the mixed-precision policy"
         )

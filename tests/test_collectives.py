@@ -60,7 +60,62 @@ def _collective_checks():
     out["events"] = [(e.name, e.bytes, e.args.get("impl"), e.args.get("dtype")) for e in tl.comm_events()]
     out["seen"] = seen
     out["recorded"] = _nested_recorders()
+    out.update(_subgroup_checks(rank, n))
+    out.update(_checks_torch_does_itself(rank))
     return out
+
+
+def _subgroup_checks(rank: int, n: int) -> dict:
+    """Collectives on a group of ranks 1..n-1: a broadcast's ``src`` is a global rank, and on
+    rank 0, outside the group, every collective is refused with a clear error."""
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=list(range(1, n)))  # every rank takes part in making it
+    t = torch.full((2,), float(rank))
+    if rank == 0:
+        errors = []
+        for call in (lambda: collectives.broadcast(t, src=n - 1, group=group),
+                     lambda: collectives.all_reduce(t, group=group),
+                     lambda: collectives.all_gather_into_tensor(torch.empty(2 * (n - 1)), t, group=group)):
+            try:
+                call()
+            except ValueError as e:
+                errors.append(str(e))
+        return {"subgroup_errors": errors}
+    gathered = torch.empty(2 * (n - 1))
+    collectives.all_gather_into_tensor(gathered, t, group=group)
+    summed = t.clone()
+    collectives.all_reduce(summed, group=group)
+    collectives.broadcast(t, src=n - 1, group=group)
+    return {"subgroup": (gathered, summed, t)}
+
+
+class _SeenFunctions(torch.overrides.TorchFunctionMode):
+    """Notes the name of every function called while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", ""))
+        return func(*args, **(kwargs or {}))
+
+
+def _checks_torch_does_itself(rank: int) -> dict:
+    """Cases torch.distributed's functions handle beyond calling the process group: complex
+    tensors (sent as real pairs) and a ``__torch_function__`` mode (handed each call)."""
+    z = torch.tensor([complex(rank + 1, -rank), complex(0, rank)])
+    gathered = torch.empty(2 * torch.distributed.get_world_size(), dtype=torch.complex64)
+    collectives.all_gather_into_tensor(gathered, z)
+    collectives.all_reduce(z)
+    with _SeenFunctions() as seen:
+        t = torch.full((2,), float(rank + 1))
+        collectives.all_reduce(t, op="max")
+    with _SeenFunctions() as seen_by_torch:  # torch >= 2.7 hands its collectives to such a mode
+        torch.distributed.all_reduce(torch.ones(2))
+    handed = ["all_reduce" in names for names in (seen.names, seen_by_torch.names)]
+    return {"complex": (gathered, z), "mode": (handed, t)}
 
 
 class _ListRecorder:
@@ -142,6 +197,30 @@ def test_all_reduce_and_broadcast(results):
         assert torch.equal(out["broadcast"], torch.full((4,), float(n - 1)))
 
 
+def test_subgroups_take_global_ranks_and_refuse_outsiders(results):
+    n, per_rank = results
+    members = range(1, n)
+    for r in members:
+        gathered, summed, broadcast = per_rank[r]["subgroup"]
+        assert torch.equal(gathered, torch.tensor([float(m) for m in members for _ in range(2)]))
+        assert torch.equal(summed, torch.full((2,), float(sum(members))))
+        assert torch.equal(broadcast, torch.full((2,), float(n - 1)))
+    errors = per_rank[0]["subgroup_errors"]
+    assert len(errors) == 3 and all("not a process group this rank belongs to" in e for e in errors)
+
+
+def test_complex_tensors_and_function_modes_behave_as_in_torch(results):
+    n, per_rank = results
+    values = [torch.tensor([complex(r + 1, -r), complex(0, r)]) for r in range(n)]
+    for out in per_rank:
+        gathered, summed = out["complex"]
+        assert torch.equal(gathered, torch.cat(values).to(torch.complex64))
+        assert torch.equal(summed, sum(values).to(torch.complex64))
+        (handed_ours, handed_torch), t = out["mode"]
+        assert handed_ours == handed_torch  # the mode is handed the collective where torch hands it
+        assert torch.equal(t, torch.full((2,), float(n)))
+
+
 def test_size_mismatch_is_a_clear_error(results):
     _, per_rank = results
     assert "expected input.numel() * group size" in per_rank[0]["size_error"]
@@ -196,3 +275,16 @@ def test_benchmark_rows():
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
     with pytest.raises(ValueError, match="unknown collective"):
         bandwidth.benchmark("gather", [1024])
+
+
+def test_each_simulated_world_is_its_own_group():
+    """Groups are looked up once and kept while they live: a default group made again (a
+    notebook that simulates 8 GPUs, then 4) is the new one, not the one remembered."""
+    with fsdp_lab.simulated_world(world_size=8):
+        collectives.all_reduce(torch.ones(2))
+        assert collectives.last_entered().endswith("group of 8)")
+    with fsdp_lab.simulated_world(world_size=4):
+        collectives.all_reduce(torch.ones(2))
+        assert collectives.last_entered().endswith("group of 4)")
+    with pytest.raises(ValueError, match="no process group is initialised"):
+        collectives.all_reduce(torch.ones(2))

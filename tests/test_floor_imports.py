@@ -1,6 +1,7 @@
-"""The floor's imports point down: launch and dist at the bottom, collectives above them, the
-timeline and each rank's entry point on top; no import hidden inside a function to dodge a
-circle. Read from the source (ast), so nothing is imported to check it."""
+"""The floor's imports point down: launch and dist at the bottom, collectives (over their
+process-group lookup) above them, the timeline and each rank's entry point on top; no import
+hidden inside a function to dodge a circle. Read from the source (ast), so nothing is imported
+to check it."""
 
 import ast
 from pathlib import Path
@@ -15,7 +16,8 @@ ALLOWED = {
     "fsdp_lab.pickling": set(),
     "fsdp_lab.forkserver": set(),
     "fsdp_lab.launch": {"fsdp_lab.dist", "fsdp_lab.forkserver", "fsdp_lab.pickling"},
-    "fsdp_lab.collectives": {"fsdp_lab.dist"},
+    "fsdp_lab.process_group": {"fsdp_lab.dist"},
+    "fsdp_lab.collectives": {"fsdp_lab.dist", "fsdp_lab.process_group"},
     "fsdp_lab.bandwidth": {"fsdp_lab.collectives", "fsdp_lab.dist", "fsdp_lab.launch"},
     "fsdp_lab.timeline": {"fsdp_lab.bandwidth", "fsdp_lab.collectives"},
     "fsdp_lab.launch_rank": {"fsdp_lab.collectives", "fsdp_lab.dist", "fsdp_lab.pickling"},
