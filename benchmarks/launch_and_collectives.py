@@ -25,6 +25,14 @@ Run from the repository root:
     the two clock marks a Timeline takes around a collective, recorded as ours records it
     (``marks_ratio_median``: on CUDA, two CUDA events; on CPU, two ``perf_counter`` reads). Each
     is timed against its own bare call, adjacent and in alternating order, as the pairs are.
+(c) The host time of one call, in this process, on torch's "fake" backend at a world of 1 (its
+    all-gather is a copy; of 16 floats here, so what is left is the Python and C++ around the
+    collective, not the data): bare
+    ``torch.distributed``, ours with nothing recording, and ours inside a CPU ``Timeline``, each
+    a loop of ``--calls`` calls, the three in turn for ``--rounds`` rounds (the order rotating),
+    median per kind. This is the part of a launch-bound GPU call (NCCL at a world of 1, where
+    the copy takes 2 to 3 us) that the wrapper adds to, measured without a GPU; the ratios are
+    against a collective that does nothing, the most the wrapper can cost relative to any.
 
 Writes benchmarks/results/launch_and_collectives_cpu.json (``_cuda.json`` on GPUs) with the
 device (and the GPU's name), torch version, date and the machine's load average before and after.
@@ -50,12 +58,13 @@ import torch.multiprocessing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdp_lab import bandwidth, collectives  # noqa: E402
-from fsdp_lab.dist import current_device  # noqa: E402
+from fsdp_lab.dist import current_device, simulated_world  # noqa: E402
 from fsdp_lab.launch import launch  # noqa: E402
 from fsdp_lab.timeline import Timeline  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_GATHER_BYTES = 4 * 2**20  # per rank
+HOST_COST_FLOATS = 16  # (c): small enough that the fake backend's copy costs nothing
 
 
 def _noop():
@@ -135,6 +144,43 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
     return {**times, "events": len(timeline.comm_events(name="all_gather"))}
 
 
+def host_cost_per_call(calls: int, rounds: int) -> dict:
+    """(c): microseconds of host time per all-gather call on the "fake" backend, by kind."""
+    shard = torch.randn(HOST_COST_FLOATS)
+    full = torch.empty_like(shard)
+    bare_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    timeline = Timeline(rank=0, device="cpu")
+
+    def loop(call) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            call(full, shard)
+        return (time.perf_counter() - start) / calls * 1e6
+
+    def recorded(call) -> float:
+        with timeline:
+            return loop(call)
+
+    kinds = {"bare": lambda: loop(bare_all_gather),
+             "ours_untimed": lambda: loop(collectives.all_gather_into_tensor),
+             "ours": lambda: recorded(collectives.all_gather_into_tensor)}
+    per_call = {kind: [] for kind in kinds}
+    with simulated_world(world_size=1):
+        for kind in kinds.values():  # warm up
+            kind()
+        for r in range(rounds):
+            order = list(kinds)[r % 3:] + list(kinds)[:r % 3]
+            for kind in order:
+                per_call[kind].append(kinds[kind]())
+    median = {kind: statistics.median(values) for kind, values in per_call.items()}
+    return {
+        "backend": "fake", "floats": HOST_COST_FLOATS, "calls_per_round": calls, "rounds": rounds,
+        "bare_us": median["bare"], "ours_untimed_us": median["ours_untimed"], "ours_us": median["ours"],
+        "untimed_ratio": median["ours_untimed"] / median["bare"], "ratio": median["ours"] / median["bare"],
+        "events_recorded": len(timeline.comm_events(name="all_gather")),
+    }
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     position = q * (len(ordered) - 1)
@@ -188,6 +234,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="launch timings of each kind")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of all-gather pairs")
     parser.add_argument("--pairs", type=int, default=100, help="all-gather pairs per round")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per loop of the host-time part (c)")
+    parser.add_argument("--host-rounds", type=int, default=15, help="rounds of the host-time part (c)")
     args = parser.parse_args()
     n = args.world_size
     load_before = os.getloadavg()[0]
@@ -203,6 +251,7 @@ def main() -> None:
     per_rank = launch(_all_gather_pairs, ALL_GATHER_BYTES, args.rounds, args.pairs, world_size=n,
                       timeout=1800)
     ag = all_gather_overhead(per_rank, args.rounds, args.pairs)
+    host = host_cost_per_call(args.calls, args.host_rounds)
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     print(f"(a) launch-to-return, {n} ranks, no-op, median of {args.repeats}")
@@ -223,6 +272,12 @@ def main() -> None:
     print(f"    {'  per round':<38}" + " ".join(f"{r:.3f}" for r in ag["round_median_ratios"]))
     print(f"    {'fsdp_lab.collectives, no Timeline':<38}{ag['untimed_ratio_median']:8.4f}   (median of pairs)")
     print(f"    {'bare call inside Timeline marks':<38}{ag['marks_ratio_median']:8.4f}   (median of pairs)")
+    print(f"(c) host time per all-gather call of {HOST_COST_FLOATS} floats, torch's fake backend, median of "
+          f"{args.host_rounds} rounds of {args.calls}")
+    print(f"    {'torch.distributed':<38}{host['bare_us']:8.2f} us")
+    print(f"    {'fsdp_lab.collectives, no Timeline':<38}{host['ours_untimed_us']:8.2f} us   "
+          f"({host['untimed_ratio']:.2f}x)")
+    print(f"    {'fsdp_lab.collectives + Timeline':<38}{host['ours_us']:8.2f} us   ({host['ratio']:.2f}x)")
 
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"launch_and_collectives_{device}.json"
@@ -236,6 +291,7 @@ def main() -> None:
                    "ratio_of_medians": launch_ratio,
                    "target_ratio": 1.5},
         "all_gather": ag,
+        "host_per_call": host,
     }, indent=2) + "\n")
     print(f"wrote {out}")
 
