@@ -288,3 +288,46 @@ def test_each_simulated_world_is_its_own_group():
         assert collectives.last_entered().endswith("group of 4)")
     with pytest.raises(ValueError, match="no process group is initialised"):
         collectives.all_reduce(torch.ones(2))
+
+
+def _nccl_checks():
+    """Every collective on NCCL at a world of 1 (the process group's own methods, sync and
+    async, and torch's function for a complex tensor), with a Timeline of CUDA marks."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x = torch.arange(K, dtype=torch.float32, device=device)
+    out = {"backend": str(dist.get_backend())}
+    with Timeline() as tl:
+        gathered = torch.empty(K, device=device)
+        collectives.all_gather_into_tensor(gathered, x)
+        handle_out = torch.empty(K, device=device)
+        collectives.all_gather_into_tensor(handle_out, x * 2, async_op=True).wait()
+        scattered = {}
+        for op in ("sum", "avg", "max"):
+            scattered[op] = torch.empty(K, device=device)
+            collectives.reduce_scatter_tensor(scattered[op], x + 1, op=op)
+        reduced = x.clone()
+        collectives.all_reduce(reduced, op="avg", async_op=True).wait()
+        z = torch.tensor([complex(1, -2)], device=device)
+        collectives.all_reduce(z)
+        b = x.clone()
+        collectives.broadcast(b, src=0)
+    out["values"] = [t.cpu() for t in (gathered, handle_out, *scattered.values(), reduced, b)]
+    out["complex"] = z.cpu()
+    out["events"] = [(e.name, e.bytes, e.duration) for e in tl.comm_events()]
+    return out
+
+
+@pytest.mark.gpu
+def test_every_collective_on_nccl_at_a_world_of_one():
+    (out,) = fsdp_lab.launch(_nccl_checks, world_size=1, timeout=300)
+    assert "nccl" in out["backend"]
+    x = torch.arange(K, dtype=torch.float32)
+    expected = [x, x * 2, x + 1, x + 1, x + 1, x, x]
+    for got, want in zip(out["values"], expected, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(out["complex"], torch.tensor([complex(1, -2)]))
+    names = [name for name, _, _ in out["events"]]
+    assert names == ["all_gather"] * 2 + ["reduce_scatter"] * 3 + ["all_reduce"] * 2 + ["broadcast"]
+    assert all(duration >= 0 for _, _, duration in out["events"])
