@@ -27,10 +27,9 @@ Run from the repository root:
     is timed against its own bare call, adjacent and in alternating order, as the pairs are.
 (c) The host time of one call, in this process, on torch's "fake" backend at a world of 1 (its
     all-gather is a copy; of 16 floats here, so what is left is the Python and C++ around the
-    collective, not the data): bare
-    ``torch.distributed``, ours with nothing recording, and ours inside a CPU ``Timeline``, each
-    a loop of ``--calls`` calls, the three in turn for ``--rounds`` rounds (the order rotating),
-    median per kind. This is the part of a launch-bound GPU call (NCCL at a world of 1, where
+    collective, not the data): bare ``torch.distributed``, ours with nothing recording, and ours
+    inside a CPU ``Timeline``, each a loop of ``--calls`` calls, the three in turn for
+    ``--host-rounds`` rounds (the order rotating), median per kind. This is the part of a launch-bound GPU call (NCCL at a world of 1, where
     the copy takes 2 to 3 us) that the wrapper adds to, measured without a GPU; the ratios are
     against a collective that does nothing, the most the wrapper can cost relative to any.
 
