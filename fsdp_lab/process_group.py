@@ -86,7 +86,7 @@ def options(kind: type, async_op: bool, reduce_op=None):
     except TypeError:  # a ReduceOp that cannot be a key (a premultiplied sum): made per call
         key = None
     made = kind()
-    if hasattr(made, "asyncOp"):  # torch >= 2.7 (all-reduce's: 2.8)
+    if hasattr(made, "asyncOp"):  # all-reduce's since torch 2.8; the others' already in 2.6
         made.asyncOp = async_op
     if reduce_op is not None:
         made.reduceOp = reduce_op

@@ -112,7 +112,7 @@ def _checks_torch_does_itself(rank: int) -> dict:
     with _SeenFunctions() as seen:
         t = torch.full((2,), float(rank + 1))
         collectives.all_reduce(t, op="max")
-    with _SeenFunctions() as seen_by_torch:  # torch >= 2.7 hands its collectives to such a mode
+    with _SeenFunctions() as seen_by_torch:  # torch >= 2.8 hands it its collectives (2.6 not)
         torch.distributed.all_reduce(torch.ones(2))
     handed = ["all_reduce" in names for names in (seen.names, seen_by_torch.names)]
     return {"complex": (gathered, z), "mode": (handed, t)}
