@@ -27,10 +27,10 @@ The instrumentation is kept small: before a collective is issued only a counter,
 (when a recorder is registered) its start mark are taken; a synchronous collective is recorded
 with one call once it completes. The collective itself is issued through the process group's
 own method, as torch.distributed's function does once it has checked its arguments: the group's
-size, rank and backend are looked up once per group (``fsdp_lab.process_group``) instead of on every call, and
-the options object is made once per setting. Where that function would do more than check and
-call (a complex tensor, a ``__torch_function__`` subclass or mode, a coalescing group), the
-function itself is called. benchmarks/launch_and_collectives.py measures the cost against bare
+size, rank and backend are looked up once per group (``fsdp_lab.process_group``), not on every
+call, and the options object is made once per setting. Where that function would do more than
+check and call (a complex tensor, a ``__torch_function__`` subclass or mode, a coalescing
+group), the function itself is called. benchmarks/launch_and_collectives.py measures the cost against bare
 ``torch.distributed``: about 1% of a 4 MiB gloo all-gather on CPU, and, on the host alone
 (torch's "fake" backend, a 16-float all-gather at a world of 1), about 0.6 us a call without a
 recorder and 1.5 us with a CPU Timeline, against a bare call of 3 us. On one GPU (an H200, NCCL,
@@ -38,8 +38,9 @@ a world of 1, torch 2.11, measured before the group lookup was kept) a bare call
 0.055 ms, most of it host time, and the instrumented one 1.9x that: a Timeline's two CUDA events
 1.3x (2.6 us of host time each, and their place in the stream).
 
-Imports point down: this module uses ``fsdp_lab.dist`` and ``fsdp_lab.process_group`` only; recorders such as the timeline,
-and ``fsdp_lab.bandwidth`` (which times these collectives), import this module, never the reverse.
+Imports point down: this module uses ``fsdp_lab.dist`` and ``fsdp_lab.process_group`` only;
+recorders such as the timeline, and ``fsdp_lab.bandwidth`` (which times these collectives),
+import this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -296,7 +297,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
             work = _TORCH_ALL_GATHER(host_out, host_in, group=group, async_op=async_op)
         return _run(_pending(work), lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
     if direct(info, output, input):
-        works = _issue(getattr(info.pg, ALL_GATHER), async_op, output, input, options(c10d.AllgatherOptions, async_op))
+        works = _issue(getattr(info.pg, ALL_GATHER), async_op, output, input,
+                       options(c10d.AllgatherOptions, async_op))
     else:
         with _BLOCKING:
             works = _pending(_TORCH_ALL_GATHER(output, input, group=group, async_op=async_op))
@@ -332,7 +334,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
                            options(c10d.ReduceScatterOptions, async_op, reduce_op))
         else:
             with _BLOCKING:
-                works = _pending(_TORCH_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=async_op))
+                work = _TORCH_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=async_op)
+            works = _pending(work)
         return _run(works, None, entered, async_op, lane, meta, impl="native")
 
     staged = _staging(input, info)
@@ -398,7 +401,8 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     work_tensor = tensor.cpu() if staged else tensor
     backend_op = dist.ReduceOp.SUM if divide else reduce_op
     if direct(info, work_tensor):
-        works = _issue(info.pg.allreduce, async_op, [work_tensor], options(c10d.AllreduceOptions, async_op, backend_op))
+        works = _issue(info.pg.allreduce, async_op, [work_tensor],
+                       options(c10d.AllreduceOptions, async_op, backend_op))
     else:
         with _BLOCKING:
             works = _pending(dist.all_reduce(work_tensor, op=backend_op, group=group, async_op=async_op))
