@@ -194,7 +194,9 @@ def release(tensor: torch.Tensor) -> None:
 def _issue(method, async_op: bool, *args) -> list:
     """Issue a collective through the process group's own ``method``: returns the work to wait
     for when ``async_op``, else waits for it here, as torch.distributed's functions do, and
-    returns []."""
+    returns []. Each collective spells out its two ways (this, or torch's function where
+    ``direct`` says so) rather than pass them in as closures: closures cost 0.4 to 0.5 us a
+    call, an eighth of a bare call's host time."""
     with _BLOCKING:
         work = method(*args)
         if work is None:
@@ -338,7 +340,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
             works = _pending(work)
         return _run(works, None, entered, async_op, lane, meta, impl="native")
 
-    staged = _staging(input, info)
+    staged = input.is_cuda  # on gloo, so through host memory
     send = input.detach().reshape(-1)
     send = send.cpu() if staged else send
     if input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -395,7 +397,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     n = info.size
     reduce_op = _reduce_op(op)
     gloo = backend(info, tensor) == "gloo"
-    staged = _staging(tensor, info)
+    staged = gloo and tensor.is_cuda
     divide = gloo and reduce_op == dist.ReduceOp.AVG
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
@@ -424,12 +426,9 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = Fa
     entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, info.size)
     work_tensor = tensor.cpu() if staged else tensor
     if direct(info, work_tensor):
-        root = c10d.BroadcastOptions()  # made per call: its root differs from call to call
-        root.rootRank = src if group is None else dist.get_group_rank(group, src)
-        root.rootTensor = 0
-        if hasattr(root, "asyncOp"):
-            root.asyncOp = async_op
-        works = _issue(info.pg.broadcast, async_op, [work_tensor], root)
+        root = src if group is None else dist.get_group_rank(group, src)  # src's rank in the group
+        works = _issue(info.pg.broadcast, async_op, [work_tensor],
+                       options(c10d.BroadcastOptions, async_op, root=root))
     else:
         with _BLOCKING:
             works = _pending(dist.broadcast(work_tensor, src=src, group=group, async_op=async_op))

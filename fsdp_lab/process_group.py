@@ -16,6 +16,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import has_torch_function
 
@@ -47,7 +48,7 @@ def lookup(group) -> Group:
     ``dist.get_backend``) they cost about 1 us a call on a 2-core CPU, a third of a bare call's
     host time on torch's fake backend. Raises ValueError when no process group is initialised
     or when this rank is not in ``group``."""
-    pg = c10d._world.default_pg if group is None else group
+    pg = dist.group.WORLD if group is None else group
     try:
         return _groups[pg]
     except (KeyError, TypeError):  # TypeError: None or torch's "not a member" marker
@@ -75,10 +76,11 @@ def backend(info: Group, tensor: torch.Tensor) -> str:
 _options_made: dict = {}
 
 
-def options(kind: type, async_op: bool, reduce_op=None):
-    """A process-group options object (``c10d.AllgatherOptions`` …), made once per setting
-    and shared: the backends read it during the call and keep no reference to it."""
-    key = (kind, async_op, reduce_op)
+def options(kind: type, async_op: bool, reduce_op=None, root: int | None = None):
+    """A process-group options object (``c10d.AllgatherOptions`` …; ``root``: a broadcast's
+    source, as the group's rank), made once per setting and shared: the backends read it during
+    the call and keep no reference to it."""
+    key = (kind, async_op, reduce_op, root)
     try:
         return _options_made[key]
     except KeyError:
@@ -90,6 +92,8 @@ def options(kind: type, async_op: bool, reduce_op=None):
         made.asyncOp = async_op
     if reduce_op is not None:
         made.reduceOp = reduce_op
+    if root is not None:
+        made.rootRank, made.rootTensor = root, 0
     if key is not None:
         _options_made[key] = made
     return made
