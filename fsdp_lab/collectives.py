@@ -22,6 +22,8 @@ reduce-scatter the full, gathered/unreduced size; for all-reduce and broadcast t
 
 Each function is synchronous by default; with ``async_op=True`` it returns a
 ``CollectiveHandle`` whose ``wait()`` finishes the work (copy-back, local sum, division).
+Each raises ValueError when no process group is initialised, or when this rank is not in
+``group`` (torch.distributed would warn and skip the call, leaving its peers waiting).
 
 The instrumentation is kept small: before a collective is issued only a counter, a tuple and
 (when a recorder is registered) its start mark are taken; a synchronous collective is recorded
