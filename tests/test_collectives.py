@@ -331,3 +331,23 @@ def test_every_collective_on_nccl_at_a_world_of_one():
     names = [name for name, _, _ in out["events"]]
     assert names == ["all_gather"] * 2 + ["reduce_scatter"] * 3 + ["all_reduce"] * 2 + ["broadcast"]
     assert all(duration >= 0 for _, _, duration in out["events"])
+
+
+def test_a_coalescing_group_queues_the_call_as_torch_does():
+    """Inside ``_coalescing_manager`` torch.distributed queues a collective to issue it with the
+    others at the block's end; the wrapper hands such a call to torch's function, so it is queued
+    too (the fake backend coalesces; gloo does not implement it)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    with fsdp_lab.simulated_world(world_size=2):
+        group = torch.distributed.group.WORLD
+        try:  # torch's own call first: torch 2.6's fake backend cannot coalesce
+            with torch.distributed._coalescing_manager(device=torch.device("cpu")):
+                torch.distributed.all_reduce(torch.ones(2))
+        except RuntimeError as e:
+            pytest.skip(f"torch {torch.__version__}'s fake backend does not coalesce: {e}")
+        with torch.distributed._coalescing_manager(device=torch.device("cpu")):
+            collectives.all_reduce(torch.ones(2))
+            collectives.all_reduce(torch.ones(3))
+            queued = len(c10d._world.pg_coalesce_state.get(group, []))
+    assert queued == 2
