@@ -3,12 +3,16 @@
 Two policy classes with PyTorch's names and defaults:
 
 * ``MixedPrecisionPolicy`` (FSDP2, ``torch.distributed.fsdp.MixedPrecisionPolicy``):
-  ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``.
+  ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs`` (torch 2.15
+  added ``param_dtype_override_fn``, a per-parameter compute dtype, which is not here).
 * ``MixedPrecision`` (FSDP1, ``torch.distributed.fsdp.MixedPrecision``):
   ``param_dtype``, ``reduce_dtype``, ``buffer_dtype``, ``keep_low_precision_grads``,
   ``cast_forward_inputs``, ``cast_root_forward_inputs``.
 
-``None`` means "keep the parameter's own dtype", as in PyTorch. The helpers below are the
+``None`` means "keep the parameter's own dtype", as in PyTorch, except that gradients with no
+``reduce_dtype`` are reduced in ``param_dtype``: FSDP1's rule, and FSDP2's up to torch 2.14
+(torch 2.15's ``fully_shard`` reduces them in the parameter's own dtype; this rule does not
+follow the installed torch, so a lab's figures do not change with it). The helpers below are the
 one place that decides which dtype a buffer gets at each phase, so both implementations
 agree (see docs/precision.md for the table).
 
@@ -150,8 +154,8 @@ def compute_dtype(policy_param_dtype: torch.dtype | None, orig_dtype: torch.dtyp
 def reduce_dtype(policy: Any, orig_dtype: torch.dtype) -> torch.dtype:
     """The dtype gradients are reduced in.
 
-    PyTorch's rule: ``reduce_dtype`` if set, else ``param_dtype`` if set, else the
-    parameter's own dtype.
+    ``reduce_dtype`` if set, else ``param_dtype`` if set, else the parameter's own dtype:
+    PyTorch's rule for FSDP1, and for FSDP2 up to torch 2.14 (2.15 skips ``param_dtype``).
     """
     return policy.reduce_dtype or policy.param_dtype or orig_dtype
 

@@ -137,7 +137,8 @@ def _part_extension():
 
 
 def _part_vs_torch():
-    """PyTorch's fully_shard on an identical model, fp32 and bf16 params / fp32 reduce."""
+    """PyTorch's fully_shard on an identical model: fp32; bf16 params with an fp32 reduce; bf16
+    params with the default reduce dtype."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -145,9 +146,14 @@ def _part_vs_torch():
     from fsdp_lab.fsdp2 import MixedPrecisionPolicy, fully_shard
 
     out = {}
+    bf16 = torch.bfloat16
+    # "bf16_default": ours with no reduce_dtype reduces in param_dtype, as PyTorch's did up to
+    # 2.14 (2.15 reduces in the parameter's own dtype instead), so torch's is told so explicitly
     for name, ours_mp, torch_mp in [("fp32", MixedPrecisionPolicy(), TorchMP()),
-                                    ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                                     TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))]:
+                                    ("bf16", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
+                                     TorchMP(param_dtype=bf16, reduce_dtype=torch.float32)),
+                                    ("bf16_default", MixedPrecisionPolicy(param_dtype=bf16),
+                                     TorchMP(param_dtype=bf16, reduce_dtype=bf16))]:
         for impl, fs, mp in [("ours", fully_shard, ours_mp), ("torch", torch_fully_shard, torch_mp)]:
             model = _shard_llama(Llama(_config(), seed=0), fs, mp_policy=mp)
             losses = _train(model, dist.get_rank(), dist.get_world_size())
