@@ -81,16 +81,26 @@ CELLS = [
 
     ## 2. Four dtypes, one policy
 
-    `fsdp_lab`'s `MixedPrecisionPolicy` (FSDP2) and `MixedPrecision` (FSDP1) take PyTorch's fields plus
+    `fsdp_lab`'s `MixedPrecisionPolicy` (FSDP2) and `MixedPrecision` (FSDP1) take PyTorch's four fields plus
     three borrowed from **Megatron-FSDP**'s `MixedPrecisionPolicy` (`main_params_dtype`,
     `main_grads_dtype`, `grad_comm_dtype`, added to Megatron-LM in PR #3067). PyTorch's own policies
-    have none of them — here are the fields of PyTorch's FSDP2 policy, read from the class:
+    have none of them — here are the two FSDP2 policies' fields, read from the classes:
     """),
     code("""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-    print("torch.distributed.fsdp.MixedPrecisionPolicy:", [f.name for f in dataclasses.fields(TorchPolicy)])
-    print("fsdp_lab.precision.MixedPrecisionPolicy:   ", [f.name for f in dataclasses.fields(MixedPrecisionPolicy)])
+    theirs = [f.name for f in dataclasses.fields(TorchPolicy)]
+    ours = [f.name for f in dataclasses.fields(MixedPrecisionPolicy)]
+    print("in both:        ", [name for name in ours if name in theirs])
+    print("fsdp_lab's only:", [name for name in ours if name not in theirs])
     """),
+    md("""
+    PyTorch's policy grows with its releases: torch 2.15 added `param_dtype_override_fn` (a compute
+    dtype chosen per parameter), which `fsdp_lab` does not take. What this kernel's torch has that
+    `fsdp_lab` does not (the output is not compared: it depends on the release):
+    """),
+    code("""
+    print(f"PyTorch {torch.__version__.split('+')[0]}'s only:", [name for name in theirs if name not in ours])
+    """, tags=["nbval-ignore-output"]),
     md("""
     | field | what it sets | default here |
     |---|---|---|
@@ -100,7 +110,11 @@ CELLS = [
     | `grad_comm_dtype` | the wire: reduce-scatter / all-reduce | `reduce_dtype`, else `param_dtype`, else own |
 
     `None` means something else in Megatron-FSDP (`main_grads_dtype=None`: the compute dtype;
-    `grad_comm_dtype=None`: the model's own gradient dtype); here it means PyTorch's behaviour. Megatron-LM's
+    `grad_comm_dtype=None`: the model's own gradient dtype); here it means PyTorch's behaviour: that of
+    FSDP1, and of FSDP2 up to torch 2.14 (torch 2.15's `fully_shard` with no `reduce_dtype` reduces in
+    the parameter's own dtype, not `param_dtype`; `fsdp_lab` keeps the older rule on every torch, so
+    this lab's figures do not depend on the release: name `reduce_dtype` to get the same wire from
+    both). Megatron-LM's
     `megatron_fsdp/mp_policy.py` also defaults `grad_comm_dtype` to bf16 and adds `grad_accum_dtype`, the
     dtype the reduction itself runs in, which this lab cannot offer (below). The helpers in
     `fsdp_lab.precision` resolve the four for a parameter of a given dtype:
