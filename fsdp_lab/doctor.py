@@ -114,7 +114,10 @@ def check_cuda() -> Check:
         return Check("CUDA GPUs", "OK", "none (CPU build of torch): the labs run on CPU with gloo")
     if not torch.cuda.is_available():
         return Check("CUDA GPUs", "WARN", "torch has CUDA but sees no GPU: the labs will run on CPU",
-                     "check `nvidia-smi`, the driver version, and CUDA_VISIBLE_DEVICES")
+                     "check `nvidia-smi`, the driver version, and CUDA_VISIBLE_DEVICES; on a machine "
+                     "without a GPU install torch's CPU build (README): with a CUDA build, torch.compile "
+                     "can log 'No CUDA runtime is found' to stderr (where a CUDA toolkit is installed), "
+                     "which nbval reports as a failed cell in lab 08")
     gpus = []
     for index in range(torch.cuda.device_count()):
         properties = torch.cuda.get_device_properties(index)

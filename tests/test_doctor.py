@@ -161,7 +161,7 @@ def test_cuda_build_without_a_visible_gpu_warns(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     check = doctor.check_cuda()
-    assert check.status == "WARN" and "nvidia-smi" in check.fix
+    assert check.status == "WARN" and "nvidia-smi" in check.fix and "CPU build" in check.fix
 
 
 def test_missing_gloo_fails(monkeypatch):
