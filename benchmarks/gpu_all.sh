@@ -56,6 +56,10 @@ step memory_tracker 200 "$PY" benchmarks/memory_tracker.py
 # the same step with 32x the tokens: ops as many, each bigger (the tracker's cost is per op)
 step memory_tracker_large 120 "$PY" benchmarks/memory_tracker.py --batch-size 256 --seq-len 128 \
     --out benchmarks/results/memory_tracker_cuda_batch256.json
+# a step where the GPU computes rather than waits for its host: four blocks of Llama 2 7B
+# (1.07e9 parameters, about 25 GB with AdamW's state), 1,024 tokens; the two above are host-bound
+step memory_tracker_7b_blocks 300 "$PY" benchmarks/memory_tracker.py --config llama2-7b --n-layers 4 \
+    --batch-size 2 --seq-len 512 --steps 10 --out benchmarks/results/memory_tracker_cuda_llama2-7b_4_layers.json
 step nf4 90 "$PY" benchmarks/nf4.py --device cuda
 
 suite=

@@ -4,6 +4,8 @@
     PYTHONPATH=. python benchmarks/memory_tracker.py --batch-size 8 --seq-len 128 --steps 10
     python benchmarks/memory_tracker.py --no-allocator   # without building the C++ ledger
     python benchmarks/memory_tracker.py --batch-size 1 --seq-len 16 --threads 1 --out benchmarks/results/memory_tracker_small_cpu.json
+    python benchmarks/memory_tracker.py --config llama2-7b --n-layers 4 --batch-size 2 --seq-len 512 --steps 10 \
+        --out benchmarks/results/memory_tracker_cuda_llama2-7b_4_layers.json   # on a GPU (about 25 GB)
 
 Steps alternate (plain, do-nothing dispatch mode, PyTorch's profiler recording allocations,
 tracked, tracked from the allocator, plain ...) in one process so all see the same machine load,
@@ -59,7 +61,7 @@ from fsdp_lab.memory import allocation_log
 from fsdp_lab.memory.estimate import estimate
 from fsdp_lab.memory.tracker import MemoryTracker
 from fsdp_lab.models.data import global_batch
-from fsdp_lab.models.llama import Llama
+from fsdp_lab.models.llama import Llama, LlamaConfig
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -189,7 +191,10 @@ class _CountOps(TorchDispatchMode):
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="cpu")
+    parser.add_argument("--config", default="cpu", help="a Llama config's name (fsdp_lab.models.CONFIGS)")
+    parser.add_argument("--n-layers", type=int, default=None,
+                        help="the config with this many blocks (a few blocks of llama2-7b: a step where a GPU computes "
+                             "rather than waits for its host)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each kind (medians of these)")
@@ -205,7 +210,8 @@ def main() -> dict:
         torch.set_num_threads(args.threads)
 
     device = current_device()
-    model = Llama(args.config, seed=0).to(device)
+    overrides = {} if args.n_layers is None else {"n_layers": args.n_layers}
+    model = Llama(LlamaConfig.from_name(args.config, **overrides), seed=0).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = global_batch(model.config.vocab_size, args.batch_size, args.seq_len).to(device)
 
@@ -314,7 +320,8 @@ def main() -> dict:
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
         "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "load_average_1min": load_before,
         "arguments": " ".join(sys.argv[1:]),
-        "config": args.config, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
+        "config": args.config, "n_layers": model.config.n_layers, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "steps": args.steps,
         "plain_step_s": median["plain"], "dispatch_floor_step_s": median["dispatch_floor"],
         "tracked_step_s": median["tracked"], "profiler_memory_step_s": median["profiler_memory"],
     }
