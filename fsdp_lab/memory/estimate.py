@@ -96,12 +96,14 @@ class Breakdown:
 
 
 def parameter_shapes(config: LlamaConfig) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(unit, name, shape) of every parameter of ``Llama(config)``; unit is "root" or "layers.i"."""
+    """(unit, name, shape) of every parameter of ``Llama(config)``, in the order of its
+    ``parameters()`` (the order an optimizer steps them in); unit is "root" or "layers.i"."""
     d, hd, f = config.dim, config.head_dim, config.ffn_hidden
-    layer = [("attention.wq", (config.n_heads * hd, d)), ("attention.wk", (config.n_kv_heads * hd, d)),
+    layer = [("attention_norm.weight", (d,)),
+             ("attention.wq", (config.n_heads * hd, d)), ("attention.wk", (config.n_kv_heads * hd, d)),
              ("attention.wv", (config.n_kv_heads * hd, d)), ("attention.wo", (d, config.n_heads * hd)),
-             ("feed_forward.w1", (f, d)), ("feed_forward.w3", (f, d)), ("feed_forward.w2", (d, f)),
-             ("attention_norm.weight", (d,)), ("ffn_norm.weight", (d,))]
+             ("ffn_norm.weight", (d,)),
+             ("feed_forward.w1", (f, d)), ("feed_forward.w3", (f, d)), ("feed_forward.w2", (d, f))]
     shapes = [("root", "tok_embeddings.weight", (config.vocab_size, d))]
     for i in range(config.n_layers):
         shapes += [(f"layers.{i}", f"layers.{i}.{n}", s) for n, s in layer]
@@ -193,7 +195,9 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     ``grad_dtype`` (default param_dtype) that of gradients, ``compute_dtype`` (default
     param_dtype) that of activations and of FSDP's unsharded parameters. ``batch_size`` is per
     rank. ``foreach`` models the multi-tensor optimizer (the default on CUDA), which holds one
-    full-size temporary; the per-parameter loop (CPU default) holds the largest parameter's.
+    full-size temporary; the per-parameter loop (CPU default) holds, at its most, a parameter's
+    ``exp_avg_sq`` square root and its quotient by the bias correction, and the previous
+    parameter's quotient.
     ``shard_group_size`` is the sharding group of ``fsdp1_hybrid_shard`` (default min(8, N): one
     node of 8 GPUs, as PyTorch's HYBRID_SHARD shards within a node).
     With ``qlora`` the block linears are frozen NF4 weights with trainable LoRA adapters of
@@ -301,9 +305,16 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         notes.append("CPU offload: sharded parameters, gradients and optimizer state live in host memory")
 
     loss_grad = 8 * tokens * config.vocab_size
-    largest_train = max((math.prod(s) for _, s in trainable), default=0)
-    opt_temp = (train_numel if foreach else (math.ceil(largest_train / shards) if sharded and not flat
-                                             else largest_train)) * max(p, 4 if master_bytes else p)
+    # AdamW's temporaries. foreach takes the square roots of every exp_avg_sq at once (one list the
+    # size of the trainable shard, then divided in place). The per-parameter loop computes
+    # ``denom = exp_avg_sq.sqrt() / bias_correction`` one parameter at a time: the square root, the
+    # quotient and the previous parameter's ``denom`` (not yet rebound) are alive together. Local
+    # sizes: FSDP2's rank 0 rows; FSDP1's original parameters are views of the flat shard, at
+    # most whole
+    local = [math.ceil(s[0] / shards) * math.prod(s[1:]) if sharded and not flat else math.prod(s)
+             for _, s in trainable]
+    loop_peak = max((previous + 2 * n for previous, n in zip([0] + local, local)), default=0)
+    opt_temp = (train_numel if foreach else loop_peak) * max(p, 4 if master_bytes else p)
     if optimizer.startswith("sgd"):
         opt_temp = 0
 
