@@ -468,8 +468,9 @@ CELLS = [
 
     * A policy has four dtypes: **compute** (`param_dtype`), **master** (`main_params_dtype`, float32 by
       default), **accumulation** (`main_grads_dtype`, float32 by default) and **wire** (`grad_comm_dtype`,
-      else PyTorch's `reduce_dtype` rule). The last three are Megatron-FSDP's names; PyTorch's FSDP2 policy
-      has `param_dtype`, `reduce_dtype`, `output_dtype` and `cast_forward_inputs`. The full table per
+      else `reduce_dtype`, else `param_dtype`). The last three are Megatron-FSDP's names; PyTorch's FSDP2
+      policy has `param_dtype`, `reduce_dtype`, `output_dtype` and `cast_forward_inputs` (and from torch
+      2.15 `param_dtype_override_fn`). The full table per
       buffer and phase is in `docs/precision.md`.
     * bf16 compute halves gathered parameters and all-gather bytes; a bf16 wire halves reduce-scatter
       bytes — and sums the ranks' contributions in bf16, whatever the accumulation dtype. Master weights
