@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Callable, Iterator
 
-MIN_PYTHON = (3, 10)
+MIN_PYTHON = (3, 11)  # pyproject.toml's requires-python (the lab extra's transformers needs it)
 MIN_TORCH = (2, 6)
 MIN_JUPYTERLAB = (4,)
 MIN_IPYWIDGETS = (8,)

@@ -53,9 +53,17 @@ def test_parse_version_rejects_garbage():
 
 
 def test_python_version_boundary():
-    assert doctor.check_python((3, 10, 0)).status == "OK"
-    old = doctor.check_python((3, 9, 18))
-    assert old.status == "FAIL" and "3.9.18" in old.detail and "Python >= 3.10" in old.fix
+    assert doctor.check_python((3, 11, 0)).status == "OK"
+    old = doctor.check_python((3, 10, 13))
+    assert old.status == "FAIL" and "3.10.13" in old.detail and "Python >= 3.11" in old.fix
+
+
+def test_minimum_python_is_pyprojects():
+    import pathlib
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=" + ".".join(map(str, doctor.MIN_PYTHON))
 
 
 def test_platform_check_fails_on_windows_and_only_warns_off_linux():
