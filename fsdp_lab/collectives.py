@@ -267,12 +267,15 @@ def _run(works: list, finish: Callable[[], None] | None, entered: tuple | None, 
     return None
 
 
-def _pending(work) -> list:
-    """The backend's work still to wait for: none after a synchronous call (it returned done).
+def _through_torch(function, *args, **kwargs) -> list:
+    """Issue a collective through torch.distributed's ``function``; returns the backend's work
+    still to wait for: none after a synchronous call (it returned done).
 
     A synchronous call is issued as one (``async_op=False``) rather than as an asynchronous
     one waited on at once: NCCL (torch >= 2.8) then runs it on the current stream, without the
     side stream, the event syncs and the tensor stashing an asynchronous call needs."""
+    with _BLOCKING:
+        work = function(*args, **kwargs)
     return [] if work is None else [work]
 
 
@@ -297,15 +300,13 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
     entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
     if _staging(input, info):
         host_out, host_in = output.cpu(), input.cpu()
-        with _BLOCKING:
-            work = _TORCH_ALL_GATHER(host_out, host_in, group=group, async_op=async_op)
-        return _run(_pending(work), lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
+        works = _through_torch(_TORCH_ALL_GATHER, host_out, host_in, group=group, async_op=async_op)
+        return _run(works, lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
     if direct(info, output, input):
         works = _issue(getattr(info.pg, ALL_GATHER), async_op, output, input,
                        options(c10d.AllgatherOptions, async_op))
     else:
-        with _BLOCKING:
-            works = _pending(_TORCH_ALL_GATHER(output, input, group=group, async_op=async_op))
+        works = _through_torch(_TORCH_ALL_GATHER, output, input, group=group, async_op=async_op)
     return _run(works, None, entered, async_op, lane, meta, staged=False)
 
 
@@ -337,9 +338,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
             works = _issue(getattr(info.pg, REDUCE_SCATTER), async_op, output, input,
                            options(c10d.ReduceScatterOptions, async_op, reduce_op))
         else:
-            with _BLOCKING:
-                work = _TORCH_REDUCE_SCATTER(output, input, op=reduce_op, group=group, async_op=async_op)
-            works = _pending(work)
+            works = _through_torch(_TORCH_REDUCE_SCATTER, output, input, op=reduce_op, group=group,
+                                   async_op=async_op)
         return _run(works, None, entered, async_op, lane, meta, impl="native")
 
     staged = input.is_cuda  # on gloo, so through host memory
@@ -349,8 +349,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, info, async_op)
         return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
     received = torch.empty_like(send)
-    with _BLOCKING:
-        work = dist.all_to_all_single(received, send, group=group, async_op=async_op)
+    works = _through_torch(dist.all_to_all_single, received, send, group=group, async_op=async_op)
 
     def finish() -> None:
         chunks = received.view(n, -1)
@@ -358,7 +357,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         output.view(-1).copy_(result)
         release(received)
 
-    return _run(_pending(work), finish, entered, async_op, lane, meta, impl="all_to_all+local_sum", staged=staged)
+    return _run(works, finish, entered, async_op, lane, meta, impl="all_to_all+local_sum", staged=staged)
 
 
 def _reduce_chunks_in_place(output, flat, reduce_op, group, info, async_op):
@@ -408,8 +407,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
         works = _issue(info.pg.allreduce, async_op, [work_tensor],
                        options(c10d.AllreduceOptions, async_op, backend_op))
     else:
-        with _BLOCKING:
-            works = _pending(dist.all_reduce(work_tensor, op=backend_op, group=group, async_op=async_op))
+        works = _through_torch(dist.all_reduce, work_tensor, op=backend_op, group=group, async_op=async_op)
 
     def finish() -> None:
         if divide:
@@ -432,8 +430,7 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = Fa
         works = _issue(info.pg.broadcast, async_op, [work_tensor],
                        options(c10d.BroadcastOptions, async_op, root=root))
     else:
-        with _BLOCKING:
-            works = _pending(dist.broadcast(work_tensor, src=src, group=group, async_op=async_op))
+        works = _through_torch(dist.broadcast, work_tensor, src=src, group=group, async_op=async_op)
     finish = (lambda: tensor.copy_(work_tensor)) if staged else None
     return _run(works, finish, entered, async_op, lane, meta, staged=staged)
 
