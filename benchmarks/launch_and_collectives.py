@@ -64,6 +64,8 @@ from fsdp_lab.timeline import Timeline  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_GATHER_BYTES = 4 * 2**20  # per rank
 HOST_COST_FLOATS = 16  # (c): small enough that the fake backend's copy costs nothing
+# torch.distributed's own all-gather: all_gather_single from torch 2.13, all_gather_into_tensor before
+BARE_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _noop():
@@ -98,10 +100,9 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
     world_size = dist.get_world_size()
     shard = torch.randn(nbytes_per_rank // 4, device=device)
     full = torch.empty(shard.numel() * world_size, device=device)
-    bare_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def bare():
-        bare_all_gather(full, shard)
+        BARE_ALL_GATHER(full, shard)
 
     def ours():
         collectives.all_gather_into_tensor(full, shard)
@@ -111,7 +112,7 @@ def _all_gather_pairs(nbytes_per_rank: int, rounds: int, pairs: int) -> dict:
     def bare_marked():  # a Timeline's cost alone: its marks around a collective it does not issue
         start = timeline.mark()
         bare()
-        timeline.record_comm(start, "bare_all_gather", full.numel() * 4, dtype="float32", group_size=world_size)
+        timeline.record_comm(start, "BARE_ALL_GATHER", full.numel() * 4, dtype="float32", group_size=world_size)
 
     def timed(call) -> float:
         return bandwidth.timed_on_all_ranks(call, device)[0]
@@ -147,7 +148,6 @@ def host_cost_per_call(calls: int, rounds: int) -> dict:
     """(c): microseconds of host time per all-gather call on the "fake" backend, by kind."""
     shard = torch.randn(HOST_COST_FLOATS)
     full = torch.empty_like(shard)
-    bare_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     timeline = Timeline(rank=0, device="cpu")
 
     def loop(call) -> float:
@@ -160,7 +160,7 @@ def host_cost_per_call(calls: int, rounds: int) -> dict:
         with timeline:
             return loop(call)
 
-    kinds = {"bare": lambda: loop(bare_all_gather),
+    kinds = {"bare": lambda: loop(BARE_ALL_GATHER),
              "ours_untimed": lambda: loop(collectives.all_gather_into_tensor),
              "ours": lambda: recorded(collectives.all_gather_into_tensor)}
     per_call = {kind: [] for kind in kinds}
