@@ -256,6 +256,10 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         notes.append(f"QLoRA: NF4 block {NF4_BLOCK}, scaler block {NF4_SCALER_BLOCK}; LoRA rank "
                      f"{lora_rank} on {', '.join(LORA_TARGETS)}")
 
+    def fsdp2_local(shape) -> int:
+        """Rank 0's elements of one FSDP2 parameter: chunked on dim 0, ceil(dim0 / N) rows."""
+        return math.ceil(shape[0] / shards) * math.prod(shape[1:])
+
     def shard_numel(items) -> int:
         """Rank 0's share of the elements of ``items`` [(unit, shape)] under the strategy."""
         if not sharded:
@@ -265,8 +269,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
             for unit, s in items:
                 per_unit[unit] = per_unit.get(unit, 0) + math.prod(s)
             return sum(math.ceil(n / shards) for n in per_unit.values())
-        # FSDP2: every parameter is chunked on dim 0; rank 0 holds ceil(dim0 / N) rows
-        return sum(math.ceil(s[0] / shards) * math.prod(s[1:]) for _, s in items)
+        return sum(fsdp2_local(s) for _, s in items)
 
     # one optimizer "step" tensor per parameter (FSDP1 with use_orig_params=True, the default,
     # also hands the optimizer the original parameters, not the flat ones)
@@ -311,8 +314,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     # quotient and the previous parameter's ``denom`` (not yet rebound) are alive together. Local
     # sizes: FSDP2's rank 0 rows; FSDP1's original parameters are views of the flat shard, at
     # most whole
-    local = [math.ceil(s[0] / shards) * math.prod(s[1:]) if sharded and not flat else math.prod(s)
-             for _, s in trainable]
+    local = [fsdp2_local(s) if sharded and not flat else math.prod(s) for _, s in trainable]
     loop_peak = max((previous + 2 * n for previous, n in zip([0] + local, local)), default=0)
     opt_temp = (train_numel if foreach else loop_peak) * max(p, 4 if master_bytes else p)
     if optimizer.startswith("sgd"):
