@@ -7,6 +7,7 @@ host's tests compare. Ranks import this module by name (``fsdp_lab.launch`` send
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import torch
@@ -181,6 +182,9 @@ def _part_dcp():
             p.mul_(0.5)
     state = model.state_dict()
     dcp.load(state, checkpoint_id=path[0])
+    dist.barrier()  # every rank has read its shards before rank 0 removes the files
+    if rank == 0:
+        shutil.rmtree(path[0])
     model.load_state_dict(state)
     out = {"dcp_max_diff": max((model.state_dict()[k].to_local() - v).abs().max().item() for k, v in saved.items())}
     batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=99), rank, world)

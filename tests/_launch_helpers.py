@@ -30,3 +30,14 @@ def pids(pid_dir) -> list[int]:
 def env_with_repo() -> dict:
     """This process's environment with the repository first on PYTHONPATH, for a child Python."""
     return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def torchrun_env(tmp_path) -> dict:
+    """The environment for torchrun with 2 CPU ranks in a test: the repository on PYTHONPATH, one
+    thread a rank, no GPU, no device override, and ``tmp_path`` as the temporary directory
+    (torchrun's agent makes a ``torchelastic_*`` log folder there and leaves it)."""
+    from fsdp_lab import dist as fdist
+
+    env = dict(env_with_repo(), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TMPDIR=str(tmp_path))
+    env.pop(fdist.DEVICE_ENV, None)
+    return env

@@ -1,11 +1,9 @@
 """fsdp_lab.dist: backend and device rules, torchrun's environment, the simulated world."""
 
 import datetime
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from fsdp_lab.dist import (choose_backend, comm_needs_host_staging, current_devi
                            device_for_rank, get_rank, get_world_size, init_distributed,
                            is_simulated, simulated_world)
 
-REPO = Path(__file__).resolve().parents[1]
+from _launch_helpers import REPO, env_with_repo, torchrun_env
 
 
 @pytest.fixture
@@ -229,9 +227,7 @@ def test_init_distributed_under_torchrun(tmp_path):
         dist.barrier()  # see docs/running.md: no rank tears down while a peer still communicates
         dist.destroy_process_group()
     """))
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.pop(fdist.DEVICE_ENV, None)
+    env = torchrun_env(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(script)],
@@ -258,7 +254,7 @@ def test_exit_distributed_flushes_runs_atexit_and_exits_with_the_code():
         fsdp_lab.exit_distributed(3)
         print("never printed")
     """)
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env = env_with_repo()
     env.pop(fdist.DEVICE_ENV, None)
     env.pop(fdist.IN_LAUNCH_ENV, None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

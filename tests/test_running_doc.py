@@ -1,19 +1,16 @@
 """docs/running.md: the torchrun script in the doc runs as printed, and trains like one process."""
 
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from fsdp_lab import dist as fdist
 from fsdp_lab.models import Llama, global_batch
 from fsdp_lab.models.llama import LlamaConfig
 
-REPO = Path(__file__).resolve().parents[1]
+from _launch_helpers import REPO, torchrun_env
 
 
 def _script_from_doc() -> str:
@@ -69,9 +66,7 @@ def _torchrun(script, tmp_path, timeout=300):
     """``script`` under torchrun on 2 CPU ranks. Past ``timeout`` seconds torchrun is sent SIGTERM,
     which it passes on to its ranks (each in a session of its own: killing torchrun alone would
     leave a hung rank running), and the test fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.pop(fdist.DEVICE_ENV, None)
+    env = torchrun_env(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=tmp_path)
