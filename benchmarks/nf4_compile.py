@@ -71,6 +71,8 @@ def main() -> None:
               "median_s": median, "gbytes_per_s": {n: out_bytes / s / 1e9 for n, s in median.items()},
               "ratio_eager_elementwise_over_compiled": median["eager_elementwise"] / median["compiled_elementwise"],
               "ratio_eager_gather_over_compiled": median["eager_gather"] / median["compiled_elementwise"]}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
     for name, s in median.items():
         print(f"{name:<22} {s * 1e3:8.2f} ms  {out_bytes / s / 1e9:6.2f} GB/s")
     print(f"eager element-wise / compiled: {result['ratio_eager_elementwise_over_compiled']:.2f}x; "

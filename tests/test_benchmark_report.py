@@ -27,6 +27,17 @@ def test_section_puts_ratios_and_targets_first(tmp_path):
     assert "Run: `python benchmarks/nf4.py`" in text
 
 
+def test_each_gpu_file_names_its_gpu_and_a_rerun_replaces_the_table(tmp_path):
+    older = tmp_path / "fsdp2_vs_torch_cuda.json"
+    older.write_text(json.dumps({"device": "cuda:0"}))
+    assert "GPU NVIDIA H100 80GB HBM3 (recorded before the script wrote its name)" in report.section(older)
+    rerun = {"device": "cuda:0", "gpu": "NVIDIA A100-SXM4-80GB"}
+    assert report.gpu_context(older, rerun) == "GPU NVIDIA A100-SXM4-80GB"
+    assert report.gpu_context(tmp_path / "memory_tracker_cuda_x.json", {"device": "NVIDIA H200"}) is None
+    assert report.gpu_context(tmp_path / "nf4_cpu.json", {"device": "cpu"}) is None
+    assert "not recorded" in report.gpu_context(tmp_path / "new_cuda.json", {"device": "cuda"})
+
+
 def test_render_without_results_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="run a script in benchmarks/ first"):
         report.render(tmp_path)
