@@ -9,7 +9,10 @@ and bfloat16 (parameters, gradients and AdamW state in that dtype) and as QLoRA 
 block linears, rank-8 adapters), with and without activation checkpointing. ``measure_step`` takes a warm-up step and tracks the second. Per row: estimated
 and measured peak bytes, their ratio, the estimate's peak phase and the tracker's label at its
 peak; model states (parameters, NF4 bytes, optimizer state) must agree to the byte, and the script exits
-non-zero where they do not. Writes benchmarks/results/estimate_vs_measured_<cpu|cuda>.json.
+non-zero where they do not. The 2-rank rows are measured once more as rank 0 of a simulated world of 2
+(``fsdp_lab.simulated_world``: torch's fake group, whose collectives are native ones, as NCCL's are), so
+without the scratch buffers of fsdp_lab's gloo reduce-scatter: ``simulated_bytes`` and
+``estimate_over_simulated``. Writes benchmarks/results/estimate_vs_measured_<cpu|cuda>.json.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import sys
 
 import torch
 
-from fsdp_lab import launch
+from fsdp_lab import launch, simulated_world
 from fsdp_lab.dist import current_device
 from fsdp_lab.memory.estimate import estimate, measure_step
 
@@ -59,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 
     measured = _measure_all(1, args.batch_size, args.seq_len)
     measured.update(launch(_measure_all, 2, args.batch_size, args.seq_len, world_size=2, timeout=600)[0])
+    with simulated_world(2):
+        simulated = _measure_all(2, args.batch_size, args.seq_len)
     device = current_device().type
     rows, mismatched = [], []
     print(f"{'strategy':<20}{'reshard':>8}{'dtype':>15}{'ckpt':>6}{'estimate':>12}{'measured':>12}"
-          f"{'est/meas':>10}  estimate's phase / tracker's label at its peak")
+          f"{'est/meas':>10}{'est/sim':>9}  estimate's phase / tracker's label at its peak")
     for s, raf, ws in STRATEGIES:
         for dtype, qlora in VARIANTS:
             for ac in (False, True):
@@ -81,17 +86,26 @@ def main(argv: list[str] | None = None) -> int:
                        "measured_bytes": m.peak_total, "estimate_over_measured": round(est.total / m.peak_total, 4),
                        "estimate_phase": est.phase, "measured_at": m.peak_label,
                        "model_states_exact": not states}
+                sim = simulated.get((s, raf, dtype, qlora, ac))
+                if sim is not None:
+                    row.update(simulated_bytes=sim.peak_total,
+                               estimate_over_simulated=round(est.total / sim.peak_total, 4))
                 rows.append(row)
                 print(f"{s:<20}{str(raf):>8}{name:>15}{'on' if ac else 'off':>6}{est.total:>12,}"
-                      f"{m.peak_total:>12,}{row['estimate_over_measured']:>10.3f}  {est.phase} / {m.peak_label}")
+                      f"{m.peak_total:>12,}{row['estimate_over_measured']:>10.3f}"
+                      f"{format(row['estimate_over_simulated'], '.3f') if sim else '-':>9}  {est.phase} / {m.peak_label}")
     ratios = [r["estimate_over_measured"] for r in rows]
+    simulated_ratios = [r["estimate_over_simulated"] for r in rows if "estimate_over_simulated" in r]
     print(f"estimate/measured from {min(ratios):.3f} to {max(ratios):.3f} over {len(rows)} configurations; "
           f"model states exact in {sum(r['model_states_exact'] for r in rows)} of {len(rows)}")
+    print(f"estimate/simulated (2 ranks, native collectives) from {min(simulated_ratios):.3f} to "
+          f"{max(simulated_ratios):.3f} over {len(simulated_ratios)} configurations")
     for line in mismatched:
         print("model states differ:", line)
     result = {"device": device, "torch": torch.__version__, "when": datetime.date.today().isoformat(),
               "cpus": os.cpu_count(), "batch_size": args.batch_size, "seq_len": args.seq_len,
               "ratio_min": min(ratios), "ratio_max": max(ratios),
+              "simulated_ratio_min": min(simulated_ratios), "simulated_ratio_max": max(simulated_ratios),
               "model_states_identical": not mismatched, "rows": rows}
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
