@@ -115,9 +115,7 @@ def check_cuda() -> Check:
     if not torch.cuda.is_available():
         return Check("CUDA GPUs", "WARN", "torch has CUDA but sees no GPU: the labs will run on CPU",
                      "check `nvidia-smi`, the driver version, and CUDA_VISIBLE_DEVICES; on a machine "
-                     "without a GPU install torch's CPU build (README): with a CUDA build, torch.compile "
-                     "can log 'No CUDA runtime is found' to stderr (where a CUDA toolkit is installed), "
-                     "which nbval reports as a failed cell in lab 08")
+                     "without a GPU torch's CPU build (README) is the smaller install and the one CI tests")
     gpus = []
     for index in range(torch.cuda.device_count()):
         properties = torch.cuda.get_device_properties(index)

@@ -8,6 +8,9 @@ the formula written out here and against ``LoRALinear``.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from fsdp_lab.qlora import NF4_CODEBOOK
 from fsdp_lab.qlora.nf4 import nearest_nf4_code
 from fsdp_lab.workshop import lab08
+from _launch_helpers import env_with_repo
 from test_workshop_labs import shipped
 
 LAB08 = shipped("08_qlora", {"F": F, "NF4_CODEBOOK": NF4_CODEBOOK})
@@ -163,3 +167,37 @@ def test_published_against_estimates_adds_the_recorded_gpu_runs(tmp_path, capsys
     assert "(GPU runs: Some GPU, torch 2.11.0, torch.cuda.max_memory_allocated)" in out
     lab08.print_published_against_estimates(published, {"fsdp2": made_up}, {64: made_up}, str(tmp_path / "none"))
     assert "no GPU runs" in capsys.readouterr().out
+
+
+def test_importing_lab08_holds_back_a_cuda_builds_cuda_home_warning(tmp_path):
+    # what a CUDA build of torch does on a machine with a CUDA toolkit and no GPU: it logs
+    # "No CUDA runtime is found" once, when torch.compile's first CPU compile imports
+    # cpp_extension, and the stderr output fails lab 08's compile cell under nbval
+    pretend = textwrap.dedent(f"""
+        import logging, os
+        import torch
+        import fsdp_lab.workshop  # imported as a real build: fsdp_lab asks torch._C for CUDA parts then
+
+        def pretend():
+            torch.cuda._is_compiled = lambda: True
+            torch.cuda.is_available = lambda: False
+            torch.version.cuda = "13.0"
+            os.environ["CUDA_HOME"] = {str(tmp_path)!r}
+    """)
+
+    def stderr_of(code):
+        return subprocess.run([sys.executable, "-c", pretend + textwrap.dedent(code)], capture_output=True,
+                              text=True, timeout=120, env=env_with_repo(), check=True).stderr
+
+    assert "No CUDA runtime is found" in stderr_of("""
+        pretend()
+        import torch.utils.cpp_extension
+    """)  # the pretence holds
+    quiet = stderr_of("""
+        pretend()
+        import fsdp_lab.workshop.lab08
+        import torch.utils.cpp_extension
+        logging.getLogger("torch.utils.cpp_extension").warning("a later warning")
+    """)
+    assert "No CUDA runtime" not in quiet
+    assert "a later warning" in quiet  # the logger's level is given back

@@ -20,6 +20,7 @@ quantization, the runs and the arithmetic they draw.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from statistics import NormalDist
@@ -31,6 +32,25 @@ import torch.nn.functional as F
 from fsdp_lab.workshop.checking import checker, correct, mistake
 
 TOLERANCE = 1e-5  # float32 sums in a different order
+
+
+def import_cpp_extension_quietly() -> None:
+    """Import ``torch.utils.cpp_extension`` (which ``torch.compile`` imports at its first CPU
+    compile) with its import-time warnings held back. A CUDA build of torch on a machine with a
+    CUDA toolkit but no GPU logs "No CUDA runtime is found" to stderr there, once per process;
+    the lab compiles for the CPU, where it does not apply, and under nbval an unexpected stderr
+    output fails the cell. ``fsdp-lab doctor`` still says to install the CPU build. Raises
+    nothing of its own."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        logger.setLevel(level)
+
+
+import_cpp_extension_quietly()
 
 
 def nearest_code_cases() -> torch.Tensor:
