@@ -39,7 +39,7 @@ def import_cpp_extension_quietly() -> None:
     compile) with its import-time warnings held back. A CUDA build of torch on a machine with a
     CUDA toolkit but no GPU logs "No CUDA runtime is found" to stderr there, once per process;
     the lab compiles for the CPU, where it does not apply, and under nbval an unexpected stderr
-    output fails the cell. ``fsdp-lab doctor`` still says to install the CPU build. Raises
+    output fails the cell. ``fsdp-lab doctor`` still recommends the CPU build there. Raises
     nothing of its own."""
     logger = logging.getLogger("torch.utils.cpp_extension")
     level = logger.level
