@@ -341,6 +341,9 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     # when the loss gradient is computed (the forward_end moment) the loss has let go of its labels
     loss_grad_acts = acts["total"] - acts["labels"]
     emb_grad = 0 if qlora else config.vocab_size * config.dim
+    # FSDP1 keeps a unit's gradient as one flat tensor, made whole at the unit's first gradient: the
+    # root unit's (the embedding's part too) from the output projection's backward to the end
+    root_grad = 0 if qlora else root_numel
     acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
     # QLoRA: each NF4 linear dequantizes its weight into a temporary in forward and in backward
     dequant_temp = largest_quant * c
@@ -348,15 +351,17 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     bwd_temp = dequant_temp + (acts["backward_transient"] if activation_checkpointing else 0)
     if not sharded:
         phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad)
-        # under NO_SHARD the root unit's gradients stay unsharded until its all-reduce, at the end
-        head_cat = "unsharded_grads" if no_shard else grad_cat
-        phases["backward"] = phase(activations=bwd_acts, temporaries=bwd_temp, **{head_cat: head_grad * g})
-        # end of backward: every gradient but the embedding's, block 0 still (re)computed
-        end = phase(activations=acts["last_block"] + acts["input_ids"],
-                    temporaries=acts["backward_transient"] + dequant_temp, **{grad_cat: grads - emb_grad * g})
-        end[grad_cat] -= head_grad * g
-        end[head_cat] += head_grad * g
-        phases["backward_end"] = end
+        # end of backward: block 0 still (re)computed
+        end_acts = dict(activations=acts["last_block"] + acts["input_ids"],
+                        temporaries=acts["backward_transient"] + dequant_temp)
+        if no_shard:  # the root unit's flat gradient stays unsharded until its all-reduce, at the end
+            phases["backward"] = phase(activations=bwd_acts, temporaries=bwd_temp,
+                                       unsharded_grads=int((root_grad + layer_grad) * g))
+            phases["backward_end"] = phase(**end_acts, unsharded_grads=root_grad * g,
+                                           **{grad_cat: grads - root_grad * g})
+        else:  # every gradient but the embedding's at the end
+            phases["backward"] = phase(activations=bwd_acts, temporaries=bwd_temp, **{grad_cat: head_grad * g})
+            phases["backward_end"] = phase(**end_acts, **{grad_cat: grads - emb_grad * g})
         phases["optimizer_step"] = phase(temporaries=opt_temp, **{grad_cat: grads})
         if strategy == "ddp" and world_size > 1:
             notes.append("DDP modelled with gradients all-reduced in place; torch's DistributedDataParallel "
@@ -372,19 +377,21 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         if qlora and keep_unsharded:
             unsharded_fwd += config.n_layers * (layer_quant + int(layer_gathered * c))
         # backward of the last block: root stays gathered, this block and the prefetched next
-        # are gathered, the head's full gradient waits for the root's reduce-scatter at the end
-        # of backward, and this block's full gradient and its reduce-scatter input coexist once
+        # are gathered, the head's full gradient (FSDP1: the root unit's whole flat gradient) waits
+        # for the root's reduce-scatter at the end of backward, and this block's full gradient and
+        # its reduce-scatter input coexist once
         gathered = unsharded_fwd if keep_unsharded else root_numel * c + 2 * (int(layer_gathered * c) + layer_quant)
         # the last all-gather's flat buffer (one block) is still held when forward ends
         phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad,
                                       unsharded_params=unsharded_fwd,
                                       comm_buffers=0 if keep_unsharded else int(layer_gathered * c) + layer_quant)
         phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
-                                   unsharded_grads=int(head_grad * g + layer_grad * g),
+                                   unsharded_grads=int((root_grad if flat else head_grad) * g + layer_grad * g),
                                    comm_buffers=int(layer_grad * g), temporaries=bwd_temp)
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
                                        unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
-                                       unsharded_grads=int(emb_grad * g + layer_grad * g), comm_buffers=int(layer_grad * g),
+                                       unsharded_grads=int((root_grad if flat else emb_grad) * g + layer_grad * g),
+                                       comm_buffers=int(layer_grad * g),
                                        temporaries=acts["backward_transient"] + dequant_temp,
                                        **{grad_cat: grads_on_device})
         phases["optimizer_step"] = phase(**{grad_cat: grads_on_device}, temporaries=0 if cpu_offload else opt_temp)
