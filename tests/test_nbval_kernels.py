@@ -1,0 +1,89 @@
+"""fsdp_lab.workshop.nbval_kernels: a lab's kernel that dies before replying is started again.
+
+End to end: nbval runs a one-cell notebook on a kernel whose first start exits at once (a
+kernelspec made here), with the plugin and without it. Without, every cell errors, which is
+what a kernel that loses its ports at start did to a whole lab.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import nbformat
+import pytest
+
+from _launch_helpers import REPO, env_with_repo
+from fsdp_lab.workshop import nbval_kernels
+
+pytest.importorskip("nbval")
+
+DIES_ONCE = textwrap.dedent("""
+    import pathlib, sys
+    marker = pathlib.Path(__file__).with_name("died_once")
+    if not marker.exists():  # the first start dies before it replies
+        marker.write_text("")
+        sys.exit(1)
+    from ipykernel.kernelapp import launch_new_instance
+    launch_new_instance()
+""")
+
+
+@pytest.fixture
+def dies_once(tmp_path):
+    """A kernelspec "dies-once" under ``tmp_path`` and a notebook to run on it."""
+    spec = tmp_path / "kernels" / "dies-once"
+    spec.mkdir(parents=True)
+    (spec / "start.py").write_text(DIES_ONCE)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, str(spec / "start.py"), "-f", "{connection_file}"],
+        "display_name": "dies once", "language": "python"}))
+    notebook = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print(1 + 1)", execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="2\n")]
+    notebook.cells = [cell]
+    path = tmp_path / "one_cell.ipynb"
+    nbformat.write(notebook, path)
+
+    def run(*plugin):
+        (spec / "died_once").unlink(missing_ok=True)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *plugin,
+                   "--nbval", "--nbval-kernel-name=dies-once", str(path)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=dict(env_with_repo(), JUPYTER_PATH=str(tmp_path)))
+
+    return run
+
+
+def test_a_kernel_that_dies_at_start_is_started_again(dies_once):
+    without = dies_once()
+    assert without.returncode != 0 and nbval_kernels.DIED in without.stdout  # what nbval does alone
+    with_plugin = dies_once("-p", "fsdp_lab.workshop.nbval_kernels")
+    assert with_plugin.returncode == 0, with_plugin.stdout[-3000:]
+    assert "1 passed" in with_plugin.stdout
+
+
+def test_only_deaths_at_start_are_retried_and_not_for_ever():
+    calls = []
+
+    def start(*args, **kwargs):
+        calls.append(kwargs)
+        raise RuntimeError(message)
+
+    message = nbval_kernels.DIED
+    with pytest.raises(RuntimeError, match="died"):
+        nbval_kernels.retrying(start)(kernel_name="python3")
+    assert len(calls) == nbval_kernels.ATTEMPTS and calls[0] == {"kernel_name": "python3"}
+    calls.clear()
+    message = "Kernel didn't respond in 60 seconds"  # alive but slow: not started again
+    with pytest.raises(RuntimeError, match="respond"):
+        nbval_kernels.retrying(start)()
+    assert len(calls) == 1
+
+
+def test_the_test_command_loads_the_plugin():
+    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "-p fsdp_lab.workshop.nbval_kernels" in addopts
