@@ -1,8 +1,10 @@
-"""fsdp_lab.workshop.nbval_kernels: a lab's kernel that dies before replying is started again.
+"""fsdp_lab.workshop.nbval_plugin: the labs under nbval from any directory, and a lab's kernel
+that dies before replying started again.
 
-End to end: nbval runs a one-cell notebook on a kernel whose first start exits at once (a
-kernelspec made here), with the plugin and without it. Without, every cell errors, which is
-what a kernel that loses its ports at start did to a whole lab.
+End to end: lab 00 from inside ``labs/`` with the test command's options; and nbval on a
+one-cell notebook whose kernel's first start exits at once (a kernelspec made here), with the
+plugin and without it. Without, every cell errors in both, which is what a run from a JupyterLab
+terminal, and a kernel that lost its ports at start, did to a whole lab.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import nbformat
 import pytest
 
 from _launch_helpers import REPO, env_with_repo
-from fsdp_lab.workshop import nbval_kernels
+from fsdp_lab.workshop import nbval_plugin
 
 pytest.importorskip("nbval")
 
@@ -60,10 +62,31 @@ def dies_once(tmp_path):
 
 def test_a_kernel_that_dies_at_start_is_started_again(dies_once):
     without = dies_once()
-    assert without.returncode != 0 and nbval_kernels.DIED in without.stdout  # what nbval does alone
-    with_plugin = dies_once("-p", "fsdp_lab.workshop.nbval_kernels")
+    assert without.returncode != 0 and nbval_plugin.DIED in without.stdout  # what nbval does alone
+    with_plugin = dies_once("-p", "fsdp_lab.workshop.nbval_plugin")
     assert with_plugin.returncode == 0, with_plugin.stdout[-3000:]
     assert "1 passed" in with_plugin.stdout
+
+
+def test_a_lab_runs_under_nbval_from_inside_labs():
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "00_start_here.ipynb"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO / "labs", env=env_with_repo())
+    assert run.returncode == 0, run.stdout[-3000:]
+    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    without = [a for a in addopts.split() if a not in ("-p", "fsdp_lab.workshop.nbval_plugin")]
+    run = subprocess.run(command[:-1] + ["-o", "addopts=", *without, command[-1]], capture_output=True, text=True,
+                         timeout=300, cwd=REPO / "labs", env=env_with_repo())
+    assert run.returncode != 0 and "FileNotFoundError" in run.stdout  # what nbval does alone
+
+
+def test_a_relative_path_is_found_from_the_root_only_when_missing_here(tmp_path, monkeypatch):
+    (tmp_path / "labs").mkdir()
+    (tmp_path / "labs" / "x.cfg").write_text("")
+    monkeypatch.chdir(tmp_path / "labs")
+    assert nbval_plugin.from_root("labs/x.cfg", tmp_path) == str(tmp_path / "labs" / "x.cfg")
+    assert nbval_plugin.from_root("x.cfg", tmp_path) == "x.cfg"          # there as given
+    assert nbval_plugin.from_root("nowhere.cfg", tmp_path) == "nowhere.cfg"  # nbval names it
+    assert nbval_plugin.from_root(None, tmp_path) is None
 
 
 def test_only_deaths_at_start_are_retried_and_not_for_ever():
@@ -73,17 +96,17 @@ def test_only_deaths_at_start_are_retried_and_not_for_ever():
         calls.append(kwargs)
         raise RuntimeError(message)
 
-    message = nbval_kernels.DIED
+    message = nbval_plugin.DIED
     with pytest.raises(RuntimeError, match="died"):
-        nbval_kernels.retrying(start)(kernel_name="python3")
-    assert len(calls) == nbval_kernels.ATTEMPTS and calls[0] == {"kernel_name": "python3"}
+        nbval_plugin.retrying(start)(kernel_name="python3")
+    assert len(calls) == nbval_plugin.ATTEMPTS and calls[0] == {"kernel_name": "python3"}
     calls.clear()
     message = "Kernel didn't respond in 60 seconds"  # alive but slow: not started again
     with pytest.raises(RuntimeError, match="respond"):
-        nbval_kernels.retrying(start)()
+        nbval_plugin.retrying(start)()
     assert len(calls) == 1
 
 
 def test_the_test_command_loads_the_plugin():
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    assert "-p fsdp_lab.workshop.nbval_kernels" in addopts
+    assert "-p fsdp_lab.workshop.nbval_plugin" in addopts
