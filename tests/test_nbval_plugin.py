@@ -23,6 +23,9 @@ from fsdp_lab.workshop import nbval_plugin
 
 pytest.importorskip("nbval")
 
+PLUGIN = nbval_plugin.__name__
+ADDOPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+
 DIES_ONCE = textwrap.dedent("""
     import pathlib, sys
     marker = pathlib.Path(__file__).with_name("died_once")
@@ -63,19 +66,22 @@ def dies_once(tmp_path):
 def test_a_kernel_that_dies_at_start_is_started_again(dies_once):
     without = dies_once()
     assert without.returncode != 0 and nbval_plugin.DIED in without.stdout  # what nbval does alone
-    with_plugin = dies_once("-p", "fsdp_lab.workshop.nbval_plugin")
+    with_plugin = dies_once("-p", PLUGIN)
     assert with_plugin.returncode == 0, with_plugin.stdout[-3000:]
     assert "1 passed" in with_plugin.stdout
 
 
 def test_a_lab_runs_under_nbval_from_inside_labs():
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval", "00_start_here.ipynb"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO / "labs", env=env_with_repo())
+    def nbval_in_labs(*options):
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, "--nbval",
+                   "00_start_here.ipynb"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO / "labs",
+                               env=env_with_repo())
+
+    run = nbval_in_labs()  # pyproject's addopts, as the README's command has them
     assert run.returncode == 0, run.stdout[-3000:]
-    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    without = [a for a in addopts.split() if a not in ("-p", "fsdp_lab.workshop.nbval_plugin")]
-    run = subprocess.run(command[:-1] + ["-o", "addopts=", *without, command[-1]], capture_output=True, text=True,
-                         timeout=300, cwd=REPO / "labs", env=env_with_repo())
+    without = [a for a in ADDOPTS.split() if a not in ("-p", PLUGIN)]
+    run = nbval_in_labs("-o", "addopts=", *without)
     assert run.returncode != 0 and "FileNotFoundError" in run.stdout  # what nbval does alone
 
 
@@ -108,5 +114,4 @@ def test_only_deaths_at_start_are_retried_and_not_for_ever():
 
 
 def test_the_test_command_loads_the_plugin():
-    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    assert "-p fsdp_lab.workshop.nbval_plugin" in addopts
+    assert f"-p {PLUGIN}" in ADDOPTS

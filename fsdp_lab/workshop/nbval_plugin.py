@@ -63,8 +63,6 @@ def pytest_configure(config) -> None:
         import nbval.kernel
     except ImportError:
         return
-    option = config.option
-    if getattr(option, "nbval_sanitize_with", None):
-        option.nbval_sanitize_with = from_root(option.nbval_sanitize_with, config.rootpath)
+    config.option.nbval_sanitize_with = from_root(config.option.nbval_sanitize_with, config.rootpath)
     if not getattr(nbval.kernel.start_new_kernel, "retries_kernel_deaths", False):
         nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
