@@ -1,9 +1,12 @@
-"""Helpers shared by the launch tests: which rank processes ran, and whether they are gone."""
+"""Helpers shared by the tests that start processes: which rank processes ran, whether they are gone,
+and the environment a child Python or torchrun gets."""
 
 import os
 from pathlib import Path
 
 import torch.distributed as dist
+
+from fsdp_lab import dist as fdist
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,8 +39,6 @@ def torchrun_env(tmp_path) -> dict:
     """The environment for torchrun with 2 CPU ranks in a test: the repository on PYTHONPATH, one
     thread a rank, no GPU, no device override, and ``tmp_path`` as the temporary directory
     (torchrun's agent makes a ``torchelastic_*`` log folder there and leaves it)."""
-    from fsdp_lab import dist as fdist
-
     env = dict(env_with_repo(), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TMPDIR=str(tmp_path))
     env.pop(fdist.DEVICE_ENV, None)
     return env
