@@ -7,6 +7,7 @@ host's tests compare. Ranks import this module by name (``fsdp_lab.launch`` send
 
 from __future__ import annotations
 
+import pathlib
 import shutil
 import tempfile
 
@@ -186,7 +187,8 @@ def _part_dcp():
     if rank == 0:
         shutil.rmtree(path[0])
     model.load_state_dict(state)
-    out = {"dcp_max_diff": max((model.state_dict()[k].to_local() - v).abs().max().item() for k, v in saved.items())}
+    out = {"dcp_max_diff": max((model.state_dict()[k].to_local() - v).abs().max().item() for k, v in saved.items()),
+           "dcp_checkpoint_left": rank == 0 and pathlib.Path(path[0]).exists()}
     batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=99), rank, world)
     out["clip_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor().item() \
         if _backward(model, batch) else None

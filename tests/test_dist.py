@@ -238,6 +238,7 @@ def test_init_distributed_under_torchrun(tmp_path):
         "rank 0 of 2: gloo cpu [3.0, 3.0]",
         "rank 1 of 2: gloo cpu [3.0, 3.0]",
     ]
+    assert list(tmp_path.glob("torchelastic_*"))  # torchrun's log folder is the test's, not the machine's
 
 
 def test_package_exports():

@@ -170,6 +170,7 @@ def test_bf16_differs_from_fp32(suite):
 def test_checkpoint_round_trip_bit_exact(suite):
     _, results = suite
     assert results[0]["dcp_max_diff"] == 0.0
+    assert not results[0]["dcp_checkpoint_left"]  # the run leaves nothing in the temporary directory
 
 
 def test_clip_grad_norm_on_dtensors(suite):
