@@ -35,7 +35,8 @@ from pathlib import Path
 
 START_ENV = "FSDP_LAB_LAUNCH_START"  # "spawn": start every rank as a fresh interpreter
 SERVER_MODULE = "fsdp_lab.forkserver_main"
-RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")  # attached to a fork request, in order
+# attached to a fork request, in order, and then the rank's stdout and stderr
+RANK_FDS = ("msg_fd", "call_fd", "slot_fd", "lifeline_fd")
 _READY_TIMEOUT_S = 300.0  # importing torch on a loaded 2-core machine can take a minute
 _MESSAGE_BYTES = 1 << 16
 _PACKAGE = Path(__file__).resolve().parent
@@ -55,14 +56,15 @@ def enabled() -> bool:
     return choice == "fork" and sys.platform.startswith("linux") and hasattr(socket, "send_fds")
 
 
-def start_rank(spec: dict, env: dict) -> "ForkedProcess":
+def start_rank(spec: dict, env: dict, stdout: int, stderr: int) -> "ForkedProcess":
     """Fork one rank running ``fsdp_lab.launch_rank.main(spec)`` from the server for ``env``
-    (the server is started or replaced first if needed). The descriptors named in ``spec``
-    (msg_fd, call_fd, slot_fd, lifeline_fd) are sent along; the caller closes its own copies
-    as it would after ``Popen(pass_fds=...)``. Raises RuntimeError when the server cannot start
-    or answer."""
+    (the server is started or replaced first if needed), with the descriptors ``stdout`` and
+    ``stderr`` as its fds 1 and 2. They and the descriptors named in ``spec`` (msg_fd, call_fd,
+    slot_fd, lifeline_fd) are sent along; the caller closes its own copies as it would after
+    ``Popen(stdout=..., stderr=..., pass_fds=...)``. Raises RuntimeError when the server cannot
+    start or answer."""
     with _LOCK:
-        return _server_for(env).fork(spec, env)
+        return _server_for(env).fork(spec, env, (stdout, stderr))
 
 
 def start_server(env: dict, preload: tuple[str, ...] = ()) -> None:
@@ -163,8 +165,8 @@ class _Server:
                                "interpreter instead")
         self.ready = True
 
-    def fork(self, spec: dict, env: dict) -> ForkedProcess:
-        fds = [spec[name] for name in RANK_FDS]
+    def fork(self, spec: dict, env: dict, std_fds: tuple[int, int]) -> ForkedProcess:
+        fds = [spec[name] for name in RANK_FDS] + list(std_fds)
         with self._lock:
             self._await_ready()
             try:

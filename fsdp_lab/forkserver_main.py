@@ -6,9 +6,9 @@ starts in milliseconds. This process imports what a rank needs (torch,
 ``fsdp_lab.launch_rank`` and ``PRELOAD``) once, runs nothing on any device, starts no thread of its own, and
 then serves the parent over the Unix socket FD (message boundaries kept, SOCK_SEQPACKET):
 
-- ``{"op": "fork", "spec": ..., "env": ...}`` with the rank's four file descriptors attached:
-  fork a child that takes ``env`` as its environment and runs ``launch_rank.main(spec)`` with
-  those descriptors, answer
+- ``{"op": "fork", "spec": ..., "env": ...}`` with the rank's four file descriptors and its
+  stdout and stderr attached: fork a child that takes ``env`` as its environment and those two
+  as its fds 1 and 2, and runs ``launch_rank.main(spec)`` with the four descriptors, answer
   ``{"op": "forked", "pid": ...}``;
 - ``{"op": "signal", "pid": ..., "sig": ...}``: signal that child if it has not been reaped
   (so a pid the system has given to another process is never signalled);
@@ -68,7 +68,7 @@ def serve(sock: socket.socket) -> None:
         if sock not in readable:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, len(RANK_FDS))
+            data, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, len(RANK_FDS) + 2)
         except (ConnectionError, OSError):
             return
         if not data:
@@ -91,13 +91,18 @@ def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfd
             sock.close()
             for fd in pidfds:  # the other ranks' ends are the server's to watch
                 os.close(fd)
+            stdout, stderr = fds[len(RANK_FDS):]
+            os.dup2(stdout, 1)  # as Popen(stdout=..., stderr=...) would
+            os.dup2(stderr, 2)
+            os.close(stdout)
+            os.close(stderr)
             os.environ.clear()
             os.environ.update(env)
             # A fresh interpreter seeds these from the OS; a fork would share the server's state.
             random.seed()
             if "numpy.random" in sys.modules:
                 sys.modules["numpy.random"].seed()
-            launch_rank.main(dict(spec, **dict(zip(RANK_FDS, fds))))
+            launch_rank.main(dict(spec, **dict(zip(RANK_FDS, fds[:len(RANK_FDS)]))))
         finally:
             os._exit(1)  # main never returns; anything raised before it must not run on here
     for fd in fds:  # the child holds them now; the message pipe must close when it ends

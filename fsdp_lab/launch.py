@@ -16,10 +16,12 @@ How it works, in order:
    Each rank gets four file descriptors: the call file, a pipe for its messages (prints line
    by line, its result, its traceback), a shared progress file holding in its slot the last
    collective it entered, and the read end of a lifeline pipe that tells it when the parent
-   is gone.
+   is gone; and its standard output and error are two more pipes the parent reads.
 3. Each rank reads the call, initialises the default process group, runs ``fn`` and sends
    back its return value serialised with ``torch.save`` (tensors come back on CPU).
-4. The parent relays the prints of ``print_ranks``, collects results, and stops every rank as
+4. The parent relays the output of ``print_ranks`` (Python's prints through the message pipe;
+   what is written below Python, by C++ libraries or programs a rank starts, through the pipes
+   that are the rank's file descriptors 1 and 2), collects results, and stops every rank as
    soon as one fails, dies or the timeout passes; then it raises :class:`LaunchError` with the
    failing rank's traceback, or :class:`LaunchTimeout` naming the last collective each rank
    entered. No rank outlives ``launch``.
@@ -33,10 +35,8 @@ How it works, in order:
 
 from __future__ import annotations
 
-import collections
 import datetime
 import io
-import json
 import math
 import mmap
 import multiprocessing.connection
@@ -48,7 +48,6 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -56,15 +55,13 @@ import torch.distributed as dist
 
 from fsdp_lab import dist as fdist
 from fsdp_lab import forkserver, pickling
+from fsdp_lab.launch_handle import (SLOT_BYTES, RankHandle, rank_environment, relay, relay_native,
+                                   start_rank)
 
-RANK_MODULE = "fsdp_lab.launch_rank"  # what each rank runs (python -m); launch never imports it
-_SLOT_BYTES = 512  # bytes per rank in the progress file: its last collective's description
 _STOP_GRACE_S = 2.0  # seconds between SIGTERM and SIGKILL
 _EXIT_GRACE_S = 10.0  # seconds a rank may take to exit after sending its result
-_TAIL_LINES = 20  # recent output lines kept per rank for crash reports
 _SETTLE_S = 0.3  # seconds to gather the other ranks' failures after the first
 _DEADLOCK_S = 2.0  # seconds every rank must sit unchanged in mismatched collectives to call it a deadlock
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the directory holding fsdp_lab/
 
 
 class LaunchError(RuntimeError):
@@ -96,9 +93,14 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     :func:`fsdp_lab.dist.choose_backend`), its device chosen
     (:func:`fsdp_lab.dist.current_device`), RANK/WORLD_SIZE/LOCAL_RANK set, ``sys.path`` and
     ``sys.argv`` as the caller's, and ``torch.set_num_threads(cpu_count // world_size)``.
-    Return values come back as CPU objects. Prints of the ranks in ``print_ranks`` ("all",
-    None for none) appear in the caller's stdout/stderr, prefixed with "[rank r] " when more
-    than one rank prints.
+    Return values come back as CPU objects. Output of the ranks in ``print_ranks`` ("all",
+    None for none) appears in the caller's stdout/stderr (``sys.stdout``, so a notebook shows
+    it in the launching cell), prefixed with "[rank r] " when more than one rank prints: Python's
+    prints and, as whole lines, what C++ libraries or programs started by the rank write to its
+    file descriptors 1 and 2, in the order the rank wrote them (on Linux; elsewhere the two may
+    interleave a little differently). Gloo's "Rank r is connected to n peer ranks" line, printed
+    at every start by some torch releases, is left out when n is what was expected. The last
+    lines of a rank that fails, printed or not, are in the :class:`LaunchError`.
 
     ``timeout`` (seconds) bounds the whole launch and every collective inside it.
 
@@ -132,28 +134,28 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     prefix = f"fsdp_lab/launch/{uuid.uuid4().hex}"
-    ranks: list[_Rank] = []
+    ranks: list[RankHandle] = []
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryFile() as call_file, tempfile.TemporaryFile() as progress:
         caller = (sys.path, sys.argv, call)
         call_bytes = call_file.write(pickle.dumps(caller, protocol=pickle.HIGHEST_PROTOCOL))
         call_file.flush()
-        progress.truncate(_SLOT_BYTES * world_size)
-        slots = mmap.mmap(progress.fileno(), _SLOT_BYTES * world_size)
+        progress.truncate(SLOT_BYTES * world_size)
+        slots = mmap.mmap(progress.fileno(), SLOT_BYTES * world_size)
         lifeline_read, lifeline_write = os.pipe()  # only this process ever holds the write end
         try:
             for r in range(world_size):
-                ranks.append(_start_rank(
+                ranks.append(start_rank(
                     dict(rank=r, world_size=world_size, backend=backend,
                          device=str(devices[r]), port=store.port,
                          prefix=prefix, timeout=float(timeout), call_fd=call_file.fileno(),
-                         call_bytes=call_bytes, slot_fd=progress.fileno(), slot_bytes=_SLOT_BYTES,
+                         call_bytes=call_bytes, slot_fd=progress.fileno(), slot_bytes=SLOT_BYTES,
                          lifeline_fd=lifeline_read), slots, by_fork))
             os.close(lifeline_read)
             lifeline_read = None
             return _collect(ranks, printing, deadline, timeout)
         finally:
-            _stop(ranks)
+            _stop(ranks, printing)
             for fd in (lifeline_read, lifeline_write):
                 if fd is not None:
                     os.close(fd)
@@ -181,7 +183,7 @@ def start_fork_server(world_size: int = 2, backend: str = "auto", preload: Itera
     backend = fdist.choose_backend(world_size, backend)
     if not _forks([fdist.device_for_rank(r, backend) for r in range(world_size)]):
         return False
-    forkserver.start_server(_rank_environment(), preload)
+    forkserver.start_server(rank_environment(), preload)
     return True
 
 
@@ -189,14 +191,6 @@ def _forks(devices: list[torch.device]) -> bool:
     """Whether ranks on ``devices`` are forked from the fork server: CPU ranks only (a CUDA
     driver loaded before a fork does not work in the child), where forking is on."""
     return forkserver.enabled() and all(device.type == "cpu" for device in devices)
-
-
-def _rank_environment() -> dict:
-    """The environment a rank starts with: the caller's, with this fsdp_lab first on the path
-    (the rank must import this same fsdp_lab before it can read the caller's sys.path)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def require_posix(platform: str | None = None) -> None:
@@ -213,62 +207,7 @@ def require_posix(platform: str | None = None) -> None:
                       "Windows, run the labs inside WSL2 (Ubuntu) with the README's set-up there")
 
 
-def _start_rank(spec: dict, slots: mmap.mmap, by_fork: bool) -> "_Rank":
-    """Start one rank, passing it its file descriptors: forked from the fork server
-    (``fsdp_lab.forkserver``), or as ``python -m fsdp_lab.launch_rank`` where that is off."""
-    read_fd, write_fd = os.pipe()
-    spec["msg_fd"] = write_fd
-    env = _rank_environment()
-    try:
-        if by_fork:
-            process = forkserver.start_rank(spec, env)
-        else:
-            process = subprocess.Popen(
-                [sys.executable, "-m", RANK_MODULE, json.dumps(spec)], env=env,
-                stdin=subprocess.DEVNULL,  # a rank waiting for input would hang: it reads EOF
-                pass_fds=(write_fd, spec["call_fd"], spec["slot_fd"], spec["lifeline_fd"]),
-            )
-    except BaseException:
-        os.close(read_fd)
-        raise
-    finally:
-        os.close(write_fd)  # the child holds the only write end: its exit shows up as EOF
-    conn = multiprocessing.connection.Connection(read_fd, writable=False)
-    return _Rank(spec["rank"], process, conn, slots)
-
-
-class _Rank:
-    """The parent's view of one child: its process, message pipe, progress slot and what it sent."""
-
-    def __init__(self, rank: int, process: subprocess.Popen, conn, slots: mmap.mmap):
-        self.rank, self.process, self.conn, self._slots = rank, process, conn, slots
-        self.result: bytes | None = None
-        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-
-    def tail_text(self) -> str:
-        """The rank's last output lines as a report section ("" if it printed nothing)."""
-        lines = "\n".join(self.tail)
-        return f"\n--- last output of rank {self.rank} ---\n{lines}" if lines else ""
-
-    def _slot(self) -> str:
-        slot = self._slots[self.rank * _SLOT_BYTES:(self.rank + 1) * _SLOT_BYTES]
-        return slot.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-    def last_collective(self) -> str:
-        """What the rank wrote into its progress slot: the last collective it entered."""
-        return self._slot()[1:] or "none"
-
-    def blocked_in(self) -> tuple[int, str] | None:
-        """(N, operation) when the rank waits inside its N-th collective, else None."""
-        slot = self._slot()
-        if not slot.startswith("W"):
-            return None
-        name, _, rest = slot[1:].partition(" #")
-        count = rest.split(" ", 1)[0]
-        return (int(count), name) if count.isdigit() else None
-
-
-def _deadlocked(ranks: list[_Rank], waiting: set[int]) -> tuple | None:
+def _deadlocked(ranks: list[RankHandle], waiting: set[int]) -> tuple | None:
     """What every running rank waits in, if they wait in different N-th collectives (which can
     never complete), else None. The caller requires it to hold unchanged for ``_DEADLOCK_S``."""
     if len(waiting) < 2 or len(waiting) < len(ranks):
@@ -279,7 +218,7 @@ def _deadlocked(ranks: list[_Rank], waiting: set[int]) -> tuple | None:
     return state
 
 
-def _collect(ranks: list[_Rank], printing: set[int], deadline: float, timeout: float) -> list:
+def _collect(ranks: list[RankHandle], printing: set[int], deadline: float, timeout: float) -> list:
     waiting = set(range(len(ranks)))
     start, stuck, stuck_since = time.monotonic(), None, 0.0
     while waiting:
@@ -301,16 +240,16 @@ def _collect(ranks: list[_Rank], printing: set[int], deadline: float, timeout: f
             while waiting and time.monotonic() < settle:
                 failures += _poll(ranks, waiting, printing, settle - time.monotonic())
             raise _failure(failures)
-    for rank in ranks:  # let ranks finish tearing down before the finally stops stragglers
-        _wait(rank.process, max(0.0, min(_EXIT_GRACE_S, deadline - time.monotonic())))
+    _await_exits(ranks, printing, min(deadline, time.monotonic() + _EXIT_GRACE_S))
     return [torch.load(io.BytesIO(rank.result), map_location="cpu", weights_only=False)
             for rank in ranks]
 
 
-def _poll(ranks: list[_Rank], waiting: set[int], printing: set[int], timeout: float) -> list:
-    """Wait up to ``timeout`` s for messages or exits of the ``waiting`` ranks and handle them.
-    Ranks that sent a result, raised or died leave ``waiting``. Returns (time, LaunchError)s."""
+def _poll(ranks: list[RankHandle], waiting: set[int], printing: set[int], timeout: float) -> list:
+    """Wait up to ``timeout`` s for messages, output or exits of the ``waiting`` ranks and handle
+    them. Ranks that sent a result, raised or died leave ``waiting``. Returns (time, LaunchError)s."""
     handles = {ranks[r].conn: r for r in waiting if ranks[r].conn is not None}
+    handles.update({fd: r for r in waiting for fd in ranks[r].native})
     ready = multiprocessing.connection.wait(list(handles), timeout=max(0.0, timeout))
     # A rank's death closes its pipe (EOF makes it ready); poll() also catches a rank whose
     # pipe stays open because a process it started inherited it.
@@ -322,11 +261,27 @@ def _poll(ranks: list[_Rank], waiting: set[int], printing: set[int], timeout: fl
         exited = rank.conn is None or rank.process.poll() is not None
         if not errors and rank.result is None and exited:
             # A silent death is a cause, never an echo of another rank's error: sort it first.
-            errors = [(0.0, _death_error(rank))]
+            errors = [(0.0, _death_error(rank, printing))]
         if errors or rank.result is not None:
             waiting.discard(r)
         failures += errors
     return failures
+
+
+def _await_exits(ranks: list[RankHandle], printing: set[int], until: float) -> None:
+    """Let ranks that sent their results finish (their exit handlers may still print) until the
+    monotonic time ``until``, relaying their output; the caller's finally stops stragglers."""
+    for rank in ranks:
+        while rank.process.poll() is None and time.monotonic() < until:
+            fds = [fd for each in ranks for fd in each.native]
+            if not fds:  # every pipe has ended: nothing more to relay, just wait
+                _wait(rank.process, max(0.0, until - time.monotonic()))
+                break
+            multiprocessing.connection.wait(fds, timeout=min(0.05, max(0.0, until - time.monotonic())))
+            for each in ranks:
+                relay_native(each, printing)
+    for rank in ranks:
+        relay_native(rank, printing)
 
 
 def _failure(failures: list) -> LaunchError:
@@ -339,8 +294,11 @@ def _failure(failures: list) -> LaunchError:
                        traceback=first.traceback, exitcode=first.exitcode)
 
 
-def _drain(rank: _Rank, printing: set[int], prefixed: bool) -> list:
-    """Read every message this rank has sent so far; return its errors as (time, LaunchError)."""
+def _drain(rank: RankHandle, printing: set[int], prefixed: bool) -> list:
+    """Read every message this rank has sent so far, then relay its output below Python; return
+    its errors as (time, LaunchError). A rank sends no message while its fds 1 and 2 hold output
+    not read here yet (``launch_rank``), so messages come after what was written before them,
+    and output read after a message was written after it."""
     errors = []
     while rank.conn is not None and rank.conn.poll():
         try:
@@ -353,7 +311,7 @@ def _drain(rank: _Rank, printing: set[int], prefixed: bool) -> list:
             stream, text = body
             rank.tail.extend(text.splitlines())
             if rank.rank in printing:
-                _relay(text, stream, f"[rank {rank.rank}] " if prefixed else "")
+                relay(text, stream, f"[rank {rank.rank}] " if prefixed else "")
         elif kind == "result":
             rank.result = body[0]
         elif kind == "error":
@@ -363,19 +321,13 @@ def _drain(rank: _Rank, printing: set[int], prefixed: bool) -> list:
             if rank.rank not in printing:
                 message += rank.tail_text()
             errors.append((when, LaunchError(message, rank=rank.rank, traceback=tb)))
+    relay_native(rank, printing)
     return errors
 
 
-def _relay(text: str, stream: str, prefix: str) -> None:
-    out = sys.stdout if stream == "stdout" else sys.stderr
-    if prefix:  # whole lines only, or another rank's line would continue this one
-        text = "".join(prefix + line + "\n" for line in text.splitlines())
-    out.write(text)
-    out.flush()
-
-
-def _death_error(rank: _Rank) -> LaunchError:
+def _death_error(rank: RankHandle, printing: set[int]) -> LaunchError:
     code = _wait(rank.process, _STOP_GRACE_S)
+    relay_native(rank, printing)  # its last words below Python, e.g. C++'s before an abort
     if code is not None and code < 0:
         how = f"was killed by signal {signal.Signals(-code).name} (exit code {code})"
     else:
@@ -384,7 +336,7 @@ def _death_error(rank: _Rank) -> LaunchError:
     return LaunchError(message, rank=rank.rank, exitcode=code)
 
 
-def _timeout_error(ranks: list[_Rank], waiting: set[int], timeout: float,
+def _timeout_error(ranks: list[RankHandle], waiting: set[int], timeout: float,
                    deadlock_after: float | None = None) -> LaunchTimeout:
     last = [rank.last_collective() for rank in ranks]
     if deadlock_after is None:
@@ -402,9 +354,9 @@ def _timeout_error(ranks: list[_Rank], waiting: set[int], timeout: float,
     return LaunchTimeout("\n".join(lines), last)
 
 
-def _stop(ranks: list[_Rank]) -> None:
-    """Stop every child still running (SIGTERM, then SIGKILL after a grace) and reap them all.
-    Safe to call more than once."""
+def _stop(ranks: list[RankHandle], printing: set[int]) -> None:
+    """Stop every child still running (SIGTERM, then SIGKILL after a grace) and reap them all;
+    relay what they wrote below Python before they ended. Safe to call more than once."""
     for rank in ranks:
         if rank.process.poll() is None:
             rank.process.terminate()
@@ -418,6 +370,8 @@ def _stop(ranks: list[_Rank]) -> None:
         if rank.conn is not None:
             rank.conn.close()
             rank.conn = None
+        relay_native(rank, printing)
+        rank.close_native()
 
 
 def _wait(process: subprocess.Popen, timeout: float) -> int | None:

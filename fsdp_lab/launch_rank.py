@@ -8,7 +8,10 @@ module, so the caller may be a notebook, ``python -`` or a script without a
 1. start a watcher thread: it ends this rank if the parent dies (even by SIGKILL), and every
    0.1 s copies ``fsdp_lab.collectives.last_entered()`` and ``blocked()`` into this rank's slot
    of the shared progress file, which the parent reads to explain a hang and to stop a deadlock
-   early (the collectives' own path only counts waits in and out); send prints to the parent line by line through the message pipe;
+   early (the collectives' own path only counts waits in and out); send prints to the parent line
+   by line through the message pipe (fds 1 and 2 are pipes the parent reads too: C++ libraries
+   and child processes write there, and each message waits until the parent has read what was
+   written there before it, so the parent sees both in the order they were written);
 2. set the rank's environment (RANK, WORLD_SIZE, LOCAL_RANK, its device, its threads);
 3. read the caller's ``sys.path``, ``sys.argv`` and the pickled call from the call file,
    unpickle (modules are imported by name here), initialise the default process group on
@@ -18,13 +21,14 @@ module, so the caller may be a notebook, ``python -`` or a script without a
 SPEC is JSON: rank, world_size, backend, device, port, prefix, timeout (s), call_bytes and
 slot_bytes (sizes), and the file descriptors the parent passed: call_fd (the call file),
 msg_fd (write end of the message pipe), slot_fd (the progress file), lifeline_fd (read end of
-a pipe whose write end only the parent holds).
+a pipe whose write end only the parent holds). Stdout and stderr are pipes the parent reads.
 """
 
 from __future__ import annotations
 
 import atexit
 import datetime
+import fcntl
 import io
 import json
 import mmap
@@ -33,7 +37,9 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -46,6 +52,7 @@ from fsdp_lab import collectives, pickling
 from fsdp_lab import dist as fdist
 
 _PROGRESS_PERIOD_S = 0.1  # how often the watcher copies the last collective into the slot
+_ORDER_WAIT_S = 0.5  # longest a message waits for the parent to read the output written before it
 
 
 class _LineWriter(io.TextIOBase):
@@ -84,6 +91,7 @@ def main(spec: dict) -> None:
 
     def send(message):
         with lock:
+            _await_output_read()
             conn.send(message)
 
     sys.stdout, sys.stderr = _LineWriter(send, "stdout"), _LineWriter(send, "stderr")
@@ -136,6 +144,31 @@ def main(spec: dict) -> None:
     # registered with atexit) and leave.
     atexit._run_exitfuncs()
     os._exit(0)
+
+
+def _await_output_read() -> None:
+    """Wait (up to ``_ORDER_WAIT_S``) until the parent has read what this rank wrote to its fds 1
+    and 2, the pipes C++ libraries and child processes write to: a print or result sent now then
+    reaches the parent after the output written before it. Where a pipe cannot say how much it
+    holds (FIONREAD on its write end: Linux), it does not wait."""
+    deadline = None
+    while _unread_output_bytes():
+        now = time.monotonic()
+        deadline = deadline or now + _ORDER_WAIT_S
+        if now >= deadline:
+            return
+        time.sleep(0.0002)
+
+
+def _unread_output_bytes() -> int:
+    """Bytes in this rank's stdout and stderr pipes that the parent has not read yet."""
+    total = 0
+    for fd in (1, 2):
+        try:
+            total += struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            pass
+    return total
 
 
 def _serialise(result: Any) -> bytes:

@@ -5,6 +5,7 @@ by a module-scoped fixture. Failures (raises, hangs, deadlocks, interrupts) are 
 tests/test_launch_failures.py.
 """
 
+import atexit
 import contextlib
 import io
 import os
@@ -28,8 +29,19 @@ N_LINES = 25
 # ------------------------------------------------------------------ passing runs (shared)
 
 
+GLOO_CONNECTED = "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : 1"
+
+
 def _report(tag):
     rank = dist.get_rank()
+    # Below Python, as C++ libraries and programs a rank starts write: before the prints, and
+    # as the last thing the rank does (an exit handler, after its result is sent)
+    os.write(1, f"{tag} native line from rank {rank}\n".encode())
+    os.write(2, f"{tag} native warning from rank {rank}\n".encode())
+    subprocess.run(["echo", f"{tag} child process of rank {rank}"], check=True)
+    os.write(1, f"{GLOO_CONNECTED.format(rank, 1)}\n{GLOO_CONNECTED.format(rank, 0)}\n".encode())
+    if tag == "all":
+        atexit.register(os.write, 1, f"{tag} exit handler of rank {rank}\n".encode())
     t = torch.full((3,), float(rank + 1))
     dist.all_reduce(t)  # torch's own collective: checks the group, not our wrappers
     for i in range(N_LINES):
@@ -101,11 +113,18 @@ def test_cpu_ranks_get_gloo_and_a_share_of_the_cores(runs):
         assert r["threads"] == max(1, os.cpu_count() // 2)
 
 
+def _native_lines(tag, rank):
+    """What ``_report`` writes below Python to stdout, less gloo's usual connection line."""
+    return [f"{tag} native line from rank {rank}", f"{tag} child process of rank {rank}",
+            GLOO_CONNECTED.format(rank, 0)]
+
+
 def test_only_rank_0_prints_by_default_without_prefix(runs):
     _, stdout, stderr = runs["single"]
     expected = [f"single line {i} from rank 0" for i in range(N_LINES)]
-    assert stdout.splitlines() == expected + ["single unterminated from rank 0"]
-    assert stderr == "single warning from rank 0\n"
+    assert stdout.splitlines() == (_native_lines("single", 0) + expected
+                                   + ["single unterminated from rank 0"])
+    assert stderr == "single native warning from rank 0\nsingle warning from rank 0\n"
 
 
 def test_several_printing_ranks_get_prefixes_and_keep_their_order(runs):
@@ -113,11 +132,15 @@ def test_several_printing_ranks_get_prefixes_and_keep_their_order(runs):
     lines = stdout.splitlines()
     for rank in (0, 1):
         mine = [line for line in lines if line.startswith(f"[rank {rank}] ")]
-        assert mine == [f"[rank {rank}] all line {i} from rank {rank}" for i in range(N_LINES)] + [
-            f"[rank {rank}] all unterminated from rank {rank}"]
-    assert len(lines) == 2 * (N_LINES + 1)
-    assert sorted(stderr.splitlines()) == ["[rank 0] all warning from rank 0",
-                                           "[rank 1] all warning from rank 1"]
+        assert mine == [f"[rank {rank}] {line}" for line in (
+            _native_lines("all", rank) + [f"all line {i} from rank {rank}" for i in range(N_LINES)]
+            + [f"all unterminated from rank {rank}", f"all exit handler of rank {rank}"])]
+    assert len(lines) == 2 * (N_LINES + 5)
+    for rank in (0, 1):
+        mine = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert mine == [f"[rank {rank}] all native warning from rank {rank}",
+                        f"[rank {rank}] all warning from rank {rank}"]
+    assert len(stderr.splitlines()) == 4
 
 
 def test_back_to_back_launches_use_new_processes_and_leave_none(runs):

@@ -68,6 +68,7 @@ def _killed_on_rank_1(pid_dir):
     record_pid(pid_dir)
     dist.barrier()
     if dist.get_rank() == 1:
+        os.write(2, b"last words below Python\n")  # as C++ writes before it aborts
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(torch.ones(1))
 
@@ -77,7 +78,8 @@ def test_rank_killed_by_a_signal_names_the_signal(tmp_path):
         launch(_killed_on_rank_1, str(tmp_path), world_size=2, timeout=120)
     assert info.value.exitcode == -signal.SIGKILL and info.value.rank == 1
     assert str(info.value).startswith("rank 1 was killed by signal SIGKILL (exit code -9) without "
-                                      "reporting a result")
+                                      "reporting a result\n--- last output of rank 1 ---\n"
+                                      "last words below Python")
     rank_pids = pids(tmp_path)
     assert len(rank_pids) == 2 and not any(alive(pid) for pid in rank_pids)
 
