@@ -13,12 +13,19 @@ lives: no reference cycle keeps the callback's owner (a whole sharded model) ali
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_unflatten
 
 __all__ = ["call_after_input_grads"]
+
+
+def _may_hold_tensors(x: Any) -> bool:
+    """Whether pytree would look inside ``x``: a tuple, list, dict or deque (their subclasses, as
+    named tuples, too) or a type registered with pytree (Hugging Face's model outputs are)."""
+    return isinstance(x, (tuple, list, dict, collections.deque)) or type(x) in SUPPORTED_NODES
 
 
 class _PassThrough(torch.autograd.Function):
@@ -43,12 +50,20 @@ def call_after_input_grads(callback: Callable[[], None], args: tuple, kwargs: di
     when the gradients w.r.t. all routed tensors exist. With no tensor requiring grad the
     inputs come back unchanged and ``callback`` never runs.
     """
-    flat, spec = tree_flatten((args, kwargs))
+    if not any(map(_may_hold_tensors, (*args, *kwargs.values()))):
+        # No containers (a block's usual call): no pytree, whose flatten makes a reference
+        # cycle (a recursive closure) at every call, garbage for the collector.
+        flat, spec = [*args, *kwargs.values()], None
+    else:
+        flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs, False
     routed = _PassThrough.apply(callback, *(flat[i] for i in positions))
     for i, tensor in zip(positions, routed):
         flat[i] = tensor
-    args, kwargs = tree_unflatten(flat, spec)
+    if spec is None:
+        args, kwargs = tuple(flat[:len(args)]), dict(zip(kwargs, flat[len(args):]))
+    else:
+        args, kwargs = tree_unflatten(flat, spec)
     return args, kwargs, True

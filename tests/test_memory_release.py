@@ -9,18 +9,21 @@ the model, the optimizer and everything else the case made, and check that every
 reference is dead. The reference is plain reference counting: nothing but ``del``.
 
 One launch per world size runs every case (2 ranks: both FSDPs, every FSDP1 strategy but
-HYBRID_SHARD, CPU offload, QLoRA, AutoMicrobatch with and without an injected OOM; 4 ranks:
-HYBRID_SHARD); each case reports what stayed alive. Apart from those, the first model and
+HYBRID_SHARD, CPU offload, QLoRA, AutoMicrobatch with and without an injected OOM, a step under
+a MemoryTracker or a Timeline; 4 ranks: HYBRID_SHARD); each case reports what stayed alive, and
+then, run again, what it left in reference cycles. Apart from those, the first model and
 optimizer of a fresh interpreter (where torch's one-time lazy imports run) are checked the same
 way in a process of their own: a plain step, a tracked step, a QLoRA step.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import subprocess
 import sys
 import time
+import types
 import weakref
 
 import pytest
@@ -85,6 +88,17 @@ def _trained(wrap, make_model=_model):
         optimizer = _optimizer(model)
         _one_step(model, optimizer)
         return {"model": model, "optimizer": optimizer}
+    return case
+
+
+def _instrumented(wrap, instrument):
+    """A case: like ``_trained``, the step run inside ``instrument(model, optimizer)``."""
+    def case():
+        model = wrap(_model())
+        optimizer = _optimizer(model)
+        with instrument(model, optimizer) as watching:
+            _one_step(model, optimizer)
+        return {"model": model, "optimizer": optimizer, "instrument": watching}
     return case
 
 
@@ -168,7 +182,8 @@ def _released(case) -> dict:
 CASES = {
     2: ["fsdp1 FULL_SHARD", "fsdp1 SHARD_GRAD_OP", "fsdp1 NO_SHARD", "fsdp1 cpu offload", "fsdp1 qlora",
         "fsdp1 automicrobatch", "fsdp1 automicrobatch oom", "fsdp2", "fsdp2 reshard_after_forward=False",
-        "fsdp2 cpu offload", "fsdp2 qlora", "fsdp2 automicrobatch", "fsdp2 automicrobatch oom"],
+        "fsdp2 cpu offload", "fsdp2 qlora", "fsdp2 automicrobatch", "fsdp2 automicrobatch oom",
+        "fsdp1 memory tracker", "fsdp2 memory tracker", "fsdp2 timeline"],
     4: ["fsdp1 HYBRID_SHARD"],
 }
 
@@ -193,17 +208,47 @@ def _cases(world: int) -> dict:
         "fsdp2 qlora": _trained(_fsdp2, _qlora_model),
         "fsdp2 automicrobatch": _auto_microbatch(_fsdp2),
         "fsdp2 automicrobatch oom": _auto_microbatch(_fsdp2, "post_backward"),
+        "fsdp1 memory tracker": _instrumented(_fsdp1, fsdp_lab.MemoryTracker),
+        "fsdp2 memory tracker": _instrumented(_fsdp2, fsdp_lab.MemoryTracker),
+        "fsdp2 timeline": _instrumented(_fsdp2, lambda model, optimizer: fsdp_lab.Timeline()),
     }
     return {name: cases[name] for name in CASES[world]}
 
 
+def _cyclic_garbage(case) -> dict[str, int]:
+    """Run ``case`` with the collector off, drop what it made, and count by kind what only the
+    collector could free (objects in reference cycles, storages or not)."""
+    gc.collect()
+    gc.disable()
+    try:
+        made = case()
+        del made
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        kinds = collections.Counter(_kind(obj) for obj in gc.garbage)
+        return dict(kinds.most_common(8))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def _kind(obj) -> str:
+    if isinstance(obj, types.FunctionType):
+        return f"function {obj.__module__}.{obj.__qualname__}"
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def _rank(world: int) -> dict:
     """Every case of this world size; a case that raises reports its error, the others still run.
-    The first case is the rank's first model and optimizer: nothing is warmed up before it."""
+    The first case is the rank's first model and optimizer: nothing is warmed up before it. Each
+    case then runs again, its first-time work (torch's lazy imports and caches) done, to count
+    the reference cycles a training step leaves."""
     out = {}
     for name, case in _cases(world).items():
         try:
             out[name] = _released(case)
+            out[name]["cycles"] = _cyclic_garbage(case)
         except Exception as error:  # noqa: BLE001 - reported per case by the test
             out[name] = {"error": f"{type(error).__name__}: {error}"}
     return out
@@ -226,6 +271,18 @@ def test_every_fsdp_storage_dies_with_its_model(world, case):
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
         assert result["watched"] > 0, f"rank {rank}: nothing watched"
         assert result["alive"] == [], f"rank {rank}: still alive after del: {result['alive']}"
+
+
+@pytest.mark.parametrize("world,case", [(w, name) for w, names in CASES.items() for name in names],
+                         ids=lambda x: str(x))
+def test_a_training_step_leaves_no_reference_cycles(world, case):
+    # Nothing of a step, FSDP's or the optimizer's, waits for the collector: a cycle of plain
+    # objects holds no memory the tracker counts, but it makes the collector run more often
+    # and at moments that depend on everything else the process allocates.
+    for rank, cases in enumerate(_results(world)):
+        result = cases[case]
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        assert result["cycles"] == {}, f"rank {rank}: objects only the collector frees: {result['cycles']}"
 
 
 # The first model and optimizer of a fresh interpreter, built inside a function, with the
