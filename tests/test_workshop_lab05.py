@@ -80,6 +80,8 @@ def test_shard_param_verdicts():
     assert lab05.check_shard_param(floor_rows).mistake == "floor_rows"
     assert lab05.check_shard_param(padding_on_top).mistake == "padding_first"
     assert lab05.check_shard_param(padded_chunk).mistake == "short_chunks"
+    assert lab05.check_shard_param(lambda param, world, rank: param).mistake == "whole_param"
+    assert lab05.check_shard_param(lambda param, world, rank: param[:, :2]).mistake == "wrong_dim"
 
 
 # ----------------------------------------------------------------------------- pre_forward

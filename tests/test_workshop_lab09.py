@@ -45,8 +45,16 @@ def local_flags(oom, not_done):
 def torch_distributed_max(oom, not_done):
     import torch.distributed as dist
     t = torch.tensor([oom, not_done], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # right, but not on fsdp_lab's Timeline
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # right, past fsdp_lab's Timeline
     return int(t[0]), 1 - int(t[1])
+
+
+def torch_distributed_max_then_min(oom, not_done):
+    import torch.distributed as dist
+    a, b = torch.tensor([oom], dtype=torch.int32), torch.tensor([1 - not_done], dtype=torch.int32)
+    dist.all_reduce(a, op=dist.ReduceOp.MAX)  # Composer's two all-reduces, past fsdp_lab
+    dist.all_reduce(b, op=dist.ReduceOp.MIN)
+    return int(a), int(b)
 
 
 def test_agreement_checker():
@@ -57,8 +65,8 @@ def test_agreement_checker():
     assert lab09.check_agreement(two_all_reduces).mistake == "two_all_reduces"
     assert lab09.check_agreement(forgot_one_minus).mistake == "not_done"
     assert lab09.check_agreement(local_flags).mistake == "local"
-    direct = lab09.check_agreement(torch_distributed_max)
-    assert direct.solved and "torch.distributed" in direct.message and "not checked" in direct.message
+    assert lab09.check_agreement(torch_distributed_max).solved
+    assert lab09.check_agreement(torch_distributed_max_then_min).mistake == "two_all_reduces"
 
 
 def test_expected_is_the_formula():

@@ -80,6 +80,9 @@ def _diagnose_shard(shard_param, param: torch.Tensor, world: int):
                 torch.equal(got[rows - own.shape[0]:], own) and not got[:rows - own.shape[0]].any():
             return mistake("padding_first", f"{where}: the zero rows are on top; FSDP2 puts the "
                                             "padding below the real rows")
+        if got.shape == param.shape and torch.equal(got, param):
+            return mistake("whole_param", f"{where}: you returned the whole parameter; a rank keeps "
+                                          f"only its {rows} rows (zeros below where real rows run out)")
         if got.dim() == param.dim() and param.dim() > 1 and got.shape[0] == param.shape[0]:
             return mistake("wrong_dim", f"{where}: you cut along dim 1; Shard(0) cuts rows (dim 0)")
         others = [r for r in range(world) if r != rank and got.shape == expected.shape

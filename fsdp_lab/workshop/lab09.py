@@ -9,8 +9,9 @@
   ``AutoMicrobatch._largest_divisor`` (this package's rule), and Composer's plain halving to
   name that mistake.
 
-An agreement that calls ``torch.distributed`` directly is judged on its values alone: the
-Timeline records only ``fsdp_lab.collectives``, so its collectives cannot be counted.
+An agreement that calls ``torch.distributed``'s collectives directly is counted too: the Timeline
+records ``fsdp_lab.collectives``, and the check counts calls of ``torch.distributed``'s
+collective functions made while the answer runs.
 
 The lab's tables and figures are drawn by the helpers at the end of this module; the notebook
 computes what they show, with ``step_peak`` (the peak bytes of one training step on one process)
@@ -45,13 +46,41 @@ def _run(answer):
     rank, out = dist.get_rank(), []
     for case in CASES:
         mine = case[rank]
-        with Timeline() as tl:
+        with Timeline() as tl, _counting_torch_collectives() as direct:
             got = answer(*mine)
-        n_collectives = len(tl.comm_events())
+        n_collectives = len(tl.comm_events()) + direct[0]
         ours = oom._flags(*mine)  # fsdp_lab's own, on the same ranks
         out.append((tuple(int(v) for v in got) if isinstance(got, (tuple, list)) else got,
                     n_collectives, (ours[0], 1 - ours[1])))
     return out
+
+
+_TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                      "reduce_scatter", "broadcast", "reduce", "all_to_all", "all_to_all_single")
+
+
+@contextlib.contextmanager
+def _counting_torch_collectives():
+    """Count (in the yielded one-item list) calls of ``torch.distributed``'s collective functions
+    looked up on the module while the block runs; fsdp_lab.collectives calls the process group
+    itself, so its calls are not counted twice."""
+    import torch.distributed as dist
+
+    count, originals = [0], {name: getattr(dist, name) for name in _TORCH_COLLECTIVES}
+
+    def counted(function):
+        def call(*args, **kwargs):
+            count[0] += 1
+            return function(*args, **kwargs)
+        return call
+
+    for name, function in originals.items():
+        setattr(dist, name, counted(function))
+    try:
+        yield count
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
 
 
 @checker("agreement", hint="put [oom, not_done] in one int32 tensor, collectives.all_reduce(t, op='max'), "
@@ -78,12 +107,6 @@ def check_agreement(agreement):
         return mistake("two_all_reduces", f"right values, but {max(counts)} collectives per call: Composer pays "
                                           "two (MAX then MIN); one two-element MAX does both, since "
                                           "MIN(done) = 1 - MAX(not done)")
-    if max(counts) == 0:
-        # right values through torch.distributed itself: the Timeline records only fsdp_lab.collectives
-        return correct(f"all {len(CASES)} combinations of two ranks' flags agree with the formula and with "
-                       "fsdp_lab.oom. Your calls went straight to torch.distributed, which the Timeline cannot "
-                       "see, so the number of collectives per call was not checked: with "
-                       "fsdp_lab.collectives.all_reduce the check would also count them (one is enough)")
     return correct(f"all {len(CASES)} combinations of two ranks' flags agree with the formula and with "
                    "fsdp_lab.oom, in one all-reduce per call: a rank that ran out makes every rank retry, "
                    "and nobody leaves the agreement loop while a peer is still inside the batch")
