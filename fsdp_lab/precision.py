@@ -97,7 +97,7 @@ class MixedPrecisionPolicy:
 
         PyTorch's policy has four of this class's fields; the converted one keeps PyTorch's
         behaviour for the rest (``main_params_dtype=None``: master weights stay in the model's
-        dtype; ``main_grads_dtype=None``: gradients accumulate as PyTorch does). Raises
+        dtype; ``main_grads_dtype=None``: gradients accumulate as PyTorch's FSDP2 does). Raises
         TypeError for anything else, naming the class to import.
         """
         if isinstance(policy, cls):
@@ -179,7 +179,7 @@ def accumulation_dtype(main_grads: torch.dtype | None, incoming: torch.dtype, fa
 
     ``incoming`` is the dtype autograd produces the gradient in (the compute dtype). With
     ``main_grads`` set: ``torch.promote_types(incoming, main_grads)`` (never narrower than
-    the computed gradient, so a float64 model keeps float64); else ``fallback`` (PyTorch's
+    the computed gradient, so a float64 model keeps float64); else ``fallback`` (PyTorch FSDP2's
     choice: the reduce dtype for the unsharded buffer, the master dtype for the sharded one).
     """
     return torch.promote_types(incoming, main_grads) if main_grads is not None else fallback

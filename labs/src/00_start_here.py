@@ -147,8 +147,8 @@ CELLS = [
     ### A hang becomes an error, too
 
     The classic distributed bug: one rank skips a collective the others enter. The others wait forever —
-    unless something stops them (if the skipping rank simply *exits*, its peers get a "connection closed"
-    error instead, which `launch` reports like any failure). `launch` ends the run and reports, per rank,
+    unless something stops them (on gloo, if the skipping rank simply *exits*, its peers get a "connection
+    closed" error instead, which `launch` reports like any failure; under NCCL they wait until the timeout). `launch` ends the run and reports, per rank,
     the last collective it entered, which usually points straight at the mismatch. It stops the ranks as
     soon as it sees a deadlock it can prove: every rank waits inside its collective of the *same number*
     (each rank's N-th collective, the same N on all ranks), those collectives are not all the same
@@ -276,7 +276,8 @@ CELLS = [
       each rank's last collective (`#N`: the rank's N-th collective of any kind), raised once every rank
       waits in its N-th collective and they differ, else at the timeout — nothing hangs.
     * A mean over ranks that hold different amounts of data needs the sum *and* the count reduced; the
-      mean of the ranks' means is wrong as soon as they hold different amounts.
+      mean of the ranks' means weights every rank alike, so with different amounts it is in general not
+      the mean of all the values.
     * A sharded tensor gives each rank `ceil(numel / world)` slots, the last ones padding, so every shard
       has the same size.
 

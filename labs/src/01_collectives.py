@@ -60,7 +60,8 @@ CELLS = [
     ## 2. The same on real ranks
 
     Each function below runs on every rank (`fsdp_lab.launch`) and returns the rank's buffer before and
-    after. The pictures colour each cell by the rank whose data it holds.
+    after. The pictures colour each cell by the rank whose data it holds; grey cells hold a sum over all
+    ranks.
     """),
     code("""
     def run(op):
@@ -150,7 +151,10 @@ CELLS = [
     | InfiniBand NDR, one port | 400 Gb/s, each direction | 50 GB/s (bits to bytes) | NVIDIA ConnectX-7 / Quantum-2 (NDR 400 Gb/s) |
     | InfiniBand HDR, one port | 200 Gb/s, each direction | 25 GB/s (bits to bytes) | NVIDIA ConnectX-6 (HDR 200 Gb/s) |
 
-    These are the links' peaks: a measured busbw stays below them. Inside one node the GPUs talk over
+    These are the links' peaks: a ring or tree collective's busbw stays below them (NCCL reaches about 80%
+    of them). On NVSwitch systems NCCL can run an all-reduce with NVLink SHARP, the switch doing the
+    reduction; its busbw can then pass the one-way peak (about 480 GB/s on 8 H100s) and no longer counts
+    bytes on the wire. Inside one node the GPUs talk over
     NVLink (or PCIe without it); between nodes a collective is bounded by the network, typically one
     InfiniBand port per GPU. gloo moves bytes over TCP on the loopback interface, driven by the CPU.
     Measured here, beside those peaks (timings vary from run to run, so this cell's output is not checked;
@@ -188,9 +192,10 @@ CELLS = [
     plt.show()
     """, tags=["nbval-ignore-output"]),
     md("""
-    On CPU, gloo has no real reduce-scatter: it all-reduces the whole buffer, which costs twice the traffic
-    (the busbw lines of section 3: the same size and time give an all-reduce twice a reduce-scatter's busbw).
-    fsdp_lab's reduce-scatter is a real one — an all-to-all plus a local sum — and its timeline events say so.
+    On CPU, torch's gloo backend has no real reduce-scatter: its `reduce_scatter_tensor` all-reduces the whole
+    buffer and keeps one slice. A ring all-reduce moves 2(n−1)/n·S per rank where a reduce-scatter needs
+    (n−1)/n·S: twice the traffic for the same result. fsdp_lab's reduce-scatter is a real one — an all-to-all
+    plus a local sum — and it is the one measured as `reduce_scatter` above; its timeline events say so.
 
     ## 4. A collective timeline from a real run
 
@@ -238,7 +243,9 @@ CELLS = [
     ## 5. Explore
 
     Pick a collective, a size and a world size: the widget measures it on fresh ranks and draws the
-    timeline of the measured iterations with the achieved bus bandwidth.
+    timeline of the measured iterations with the achieved bus bandwidth. Widget state is not saved in the
+    notebook, so a saved copy shows nothing here until the cell runs; section 4's figure is the same kind of
+    timeline, from a real run.
     """),
     code("""
     def timed_collective(op, size_kib, iters=5):
@@ -319,7 +326,8 @@ CELLS = [
 
     * all-gather concatenates shards, reduce-scatter sums and splits, all-reduce = both in sequence.
     * Bandwidth is reported as algbw (S/t) and busbw (algbw scaled by the traffic each rank really carries);
-      busbw compares with a link's one-way peak: hundreds of GB/s on NVLink, tens on PCIe and InfiniBand.
+      busbw compares with a link's one-way peak: hundreds of GB/s on NVLink, tens on PCIe and InfiniBand
+      (an all-reduce reduced inside an NVSwitch, NVLink SHARP, can pass it).
     * DDP and FSDP's `NO_SHARD` all-reduce gradients; FSDP's sharded strategies reduce-scatter them
       (`HYBRID_SHARD` then all-reduces each shard across replicas).
     * A reduce-scatter built from an all-reduce gives the right chunk for twice the traffic.

@@ -47,8 +47,8 @@ CELLS = [
     md("""
     ## 1. The idea on one process: model states of a Llama block
 
-    A parameter costs its bytes three or four times over during training: the parameter itself, its
-    gradient, and the optimizer's state (AdamW keeps `exp_avg` and `exp_avg_sq`, each the size of the
+    A parameter costs its bytes four times over during training with AdamW (three with SGD and momentum):
+    the parameter itself, its gradient, and the optimizer's state (AdamW keeps `exp_avg` and `exp_avg_sq`, each the size of the
     parameter, plus a 4-byte `step` counter per tensor). Count them for one block of the CPU Llama:
     `wq, wk, wv, wo` (grouped-query: `wk`, `wv` have only the kv heads), `w1, w2, w3`, two RMSNorm weights.
     """),
@@ -138,8 +138,8 @@ CELLS = [
     print(f"  {'total':<16}{mt.peak_total() / MiB:9.3f} MiB")
     """),
     md("""
-    The peak comes after the end of forward, at the start of backward: every activation is still alive,
-    and the loss's gradient (float32, batch x seq x vocab, twice) is being computed. Now the estimate for the same configuration —
+    The peak comes after the end of forward, at the start of backward: every activation but the loss's
+    labels is still alive, and the loss's gradient (float32, batch x seq x vocab, twice) is being computed. Now the estimate for the same configuration —
     `ddp` on one process is plain single-process training:
     """),
     code("""
@@ -279,12 +279,13 @@ CELLS = [
     """),
     md("""
     The totals agree; the categories do not, because the two peaks are different moments. The estimator puts
-    the peak at the start of backward: every block's activations alive, one block gathered plus its prefetched successor,
-    one block's reduce-scatter buffer. The measured peak falls later, inside backward (the label above): the
+    the peak at the start of backward: every block's activations alive, the root's parameters gathered
+    beside one block and its prefetched successor, one block's reduce-scatter buffer. The measured peak falls later, inside backward (the label above): the
     activations of the blocks already differentiated are freed, but the communication buffers and gradient
     temporaries of more than one group are alive together (`comm_buffers` and `temporaries`, held until
     their reduce-scatters are waited for). Compared at the same moment, the end of forward, estimated and
-    measured activations agree (printed above). The estimator's single reduce-scatter buffer is an
+    measured activations agree but for the loss's labels (8 bytes a token), which the estimator already
+    counts as freed there (printed above). The estimator's single reduce-scatter buffer is an
     under-estimate for this implementation; its total is close here because the activations it counts at
     its own peak make up for it.
     """),

@@ -98,7 +98,7 @@ CELLS = [
     that slice of the averaged gradient, so the gradient can be reduce-scattered and dropped as soon as it
     exists (**ZeRO-2**); after the step the updated slices are all-gathered. **ZeRO-3** keeps only the slice
     of the parameters too, and gathers each unit (an embedding, a block, the output layer) just for its
-    forward and again for its backward. Per rank, in bytes, for this model (`lab03.expected`, the paper's
+    forward and again for its backward. Per rank, in KiB, for this model (`lab03.expected`, the paper's
     arithmetic with AdamW's step counters):
     """),
     code("""
@@ -205,8 +205,9 @@ CELLS = [
     """),
     md("""
     The timelines of the measured step (both ranks; compute lanes show each unit's forward and backward).
-    DDP and ZeRO-1 communicate after backward; ZeRO-2 reduce-scatters *during* backward, one gradient at a
-    time; ZeRO-3 also all-gathers before every unit's forward and again before its backward. The durations
+    This lab's DDP and ZeRO-1 communicate after backward (PyTorch's `DistributedDataParallel` all-reduces
+    buckets of gradients from autograd hooks *during* backward); ZeRO-2 reduce-scatters *during* backward,
+    one gradient at a time; ZeRO-3 also all-gathers before every unit's forward and again before its backward. The durations
     vary from run to run; which collective runs when does not.
     """),
     code("""

@@ -165,8 +165,8 @@ CELLS = [
 
     One FULL_SHARD step on 2 ranks, each block its own unit. Forward: each unit is all-gathered in its
     pre-forward hook and freed after its forward (the root — embeddings, final norm, output — stays
-    gathered: backward needs it at once). Backward: each unit is gathered again (prefetched one unit
-    ahead with `BACKWARD_PRE`), its gradients are reduce-scattered, and it is freed.
+    gathered: backward needs it at once). Backward: each block's unit is gathered again (prefetched one
+    unit ahead with `BACKWARD_PRE`), its gradients are reduce-scattered, and it is freed.
 
     Besides the timeline, each run samples rank 0's memory and which units are gathered at named
     moments: before each block's attention and feed-forward in forward (and after its feed-forward),
@@ -348,8 +348,10 @@ CELLS = [
       `no_sync` it accumulates the unsharded gradient in the compute dtype.
     * **`grad_accumulation="concat"`** here follows fairscale's `optimize_backward_concat` as first written
       (PR #1184, 2024, on its Llama-3 training branch, not `main`): an fp32 copy per parameter, concatenated
-      once all of a backward's gradients exist (under `no_sync`, into a flat fp32 buffer kept for the next
-      microbatch) — the copies and the concatenation coexist.
+      once all of a backward's gradients exist — the copies and the concatenation coexist. fairscale
+      concatenates only in the backward that syncs (the last microbatch) and keeps the per-parameter
+      copies until then; `fsdp_lab` concatenates at every backward, under `no_sync` into a flat fp32
+      buffer kept for the next microbatch.
     * **`"flat"`** (the default) is fairscale's follow-up (PR #1186): one pre-allocated fp32 flat buffer,
       each gradient added straight into its slice, so at most one parameter's bf16 gradient exists beside
       it. The PR reports 17.4 → 15.1 GB peak reserved memory with identical loss.

@@ -172,9 +172,11 @@ CELLS = [
     around the cuts. FSDP2 (PyTorch's `fully_shard`, tracked in pytorch issue #114299) shards each
     parameter on its own, as a DTensor:
 
-    * **Mixed dtypes and `requires_grad` in one group.** The group's all-gather inputs of different dtypes are
-      viewed as bytes (`uint8`) and gathered together; the post-backward reduce-scatter takes only the
-      parameters that got a gradient, so frozen and trainable weights share a group.
+    * **Frozen weights of other dtypes beside trainable ones in one group.** The group's all-gather inputs of
+      different dtypes are viewed as bytes (`uint8`) and gathered together; the post-backward reduce-scatter
+      takes only the parameters that got a gradient, so frozen and trainable weights share a group. The
+      trainable ones must still share one dtype (their gradients are reduced in one buffer; PyTorch's
+      `fully_shard` refuses otherwise: "FSDP expects uniform original parameter dtype").
     * **Tensor subclasses.** A parameter type can say what it sends (`fsdp_pre_all_gather`) and how to rebuild
       itself (`fsdp_post_all_gather`): torchao's NF4 weight all-gathers its packed 4-bit codes and scales as
       they are (lab 08).
@@ -290,7 +292,7 @@ CELLS = [
     `True` frees each block after its forward and gathers it again in backward (more all-gathers, less
     memory); `False` keeps every block gathered from its forward to its backward. The first column is the
     peak of `unsharded_params` alone; the second adds `comm_buffers` at the same moment and takes the largest
-    sum over the moments of section 5's table, so it counts the prefetched block that waits in the
+    sum over the moments of section 5's figure, so it counts the prefetched block that waits in the
     all-gather's buffers: with it, `True` saves less than the first column suggests.
     """),
     code("""
@@ -466,8 +468,8 @@ CELLS = [
 
     * FSDP2 shards **each parameter** on dim 0 into a `DTensor` (`Shard(0)`); uneven rows are padded inside
       the rank's storage, never shown to the optimizer.
-    * FSDP2 exists for what PyTorch's FSDP1 flat parameter refuses: mixed dtypes, and mixed
-      `requires_grad` without `use_orig_params=True`; and for tensor subclasses such as NF4 that choose what
+    * FSDP2 exists for what PyTorch's FSDP1 flat parameter refuses: frozen weights of another dtype beside
+      trainable ones, and mixed `requires_grad` without `use_orig_params=True`; and for tensor subclasses such as NF4 that choose what
       they all-gather, sharded state dicts without communication, and memory freed through events instead
       of `record_stream` (deterministic memory).
     * Its price: a group's all-gather is copy-in → one collective → copy-out, and its reduce-scatter the

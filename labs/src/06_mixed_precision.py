@@ -73,7 +73,7 @@ CELLS = [
     md("""
     bf16 keeps float32's 8 exponent bits (the same range) and stores 7 fraction bits (8 bits of
     precision with the implicit 1). fp16 stores 10 fraction bits but only 5 exponent bits: it overflows
-    above 65504, and gradients below its smallest normal lose precision, then flush to zero — fp16
+    above 65504, and gradients below its smallest normal lose precision, then round to zero — fp16
     training needs **loss scaling** (section 7); bf16 does not.
 
     In bf16 the running sum stops growing once 0.001 is below half an ulp of the total: this is why
@@ -81,8 +81,8 @@ CELLS = [
 
     ## 2. Four dtypes, one policy
 
-    `fsdp_lab`'s `MixedPrecisionPolicy` (FSDP2) and `MixedPrecision` (FSDP1) take PyTorch's four fields plus
-    three borrowed from **Megatron-FSDP**'s `MixedPrecisionPolicy` (`main_params_dtype`,
+    `fsdp_lab`'s `MixedPrecisionPolicy` (FSDP2) and `MixedPrecision` (FSDP1) take PyTorch's fields (four in
+    FSDP2's policy, six in FSDP1's) plus three borrowed from **Megatron-FSDP**'s `MixedPrecisionPolicy` (`main_params_dtype`,
     `main_grads_dtype`, `grad_comm_dtype`, added to Megatron-LM in PR #3067). PyTorch's own policies
     have none of them — here are the two FSDP2 policies' fields, read from the classes:
     """),
@@ -110,8 +110,9 @@ CELLS = [
     | `grad_comm_dtype` | the wire: reduce-scatter / all-reduce | `reduce_dtype`, else `param_dtype`, else own |
 
     `None` means something else in Megatron-FSDP (`main_grads_dtype=None`: the compute dtype;
-    `grad_comm_dtype=None`: the model's own gradient dtype); here it means PyTorch's behaviour: that of
-    FSDP1, and of FSDP2 up to torch 2.14 (torch 2.15's `fully_shard` with no `reduce_dtype` reduces in
+    `grad_comm_dtype=None`: the model's own gradient dtype); here it means PyTorch FSDP2's behaviour up to
+    torch 2.14, for both FSDPs: gradients kept without sync accumulate in `reduce_dtype` (PyTorch's FSDP1
+    keeps them in `param_dtype` instead; `fsdp_lab`'s FSDP1 follows the FSDP2 rule) (torch 2.15's `fully_shard` with no `reduce_dtype` reduces in
     the parameter's own dtype, not `param_dtype`; `fsdp_lab` keeps the older rule on every torch, so
     this lab's figures do not depend on the release: name `reduce_dtype` to get the same wire from
     both). Megatron-LM's
@@ -153,7 +154,9 @@ CELLS = [
 
     Two ranks, policy "bf16 comm + fp32 accumulation", three microbatches of which the first two are
     accumulated without sync. We read the dtype and bytes of every buffer the gradient passes through
-    from the live objects and from the timeline's reduce-scatter event.
+    from the live objects and from the timeline's reduce-scatter event, or compute them from the
+    parameter's size where the buffer is gone by the time we look (the gathered weight in the compute
+    dtype, the bytes communicated).
     """),
     code("""
     CONFIG = LlamaConfig.from_name("cpu", n_layers=1)

@@ -173,9 +173,9 @@ CELLS = [
           "weight's double-quantization factor and mean, counted once in the stored bytes (fsdp_lab/qlora/nf4_fsdp.py)")
     """),
     md("""
-    Here FSDP1 and FSDP2 all-gather the same bytes and both reach the one-process loss. That need not hold for
-    every model: FSDP2 pads each parameter's dim 0 to a multiple of the world size, FSDP1 each unit's flat
-    parameter, so their padding can differ. With QLoRA a decoder layer's all-gather carries the 4-bit codes
+    Here FSDP1 and FSDP2 all-gather the same bytes and both reach the one-process loss. The bytes need not
+    match for every model: FSDP2 pads each parameter's dim 0 to a multiple of the world size, FSDP1 each
+    unit's flat parameter, so their padding can differ; the loss matches regardless. With QLoRA a decoder layer's all-gather carries the 4-bit codes
     and the scales of its linears (their share of the float32 and bf16 bytes is printed), with the float32
     adapters and norms riding along: the last lines split the whole layer's all-gather, printed as a fraction
     of its float32 size. Only the adapters' gradients are reduce-scattered. The figure stacks rank 0's bytes
