@@ -68,7 +68,8 @@ def local_only(local_grad, wire_dtype):
 
 
 def torch_distributed(local_grad, wire_dtype):
-    """A right answer that calls torch.distributed directly (the Timeline cannot see it)."""
+    """A right answer that calls torch.distributed directly (the Timeline cannot see it; the check's
+    own record of torch.distributed's calls does)."""
     import torch.distributed as dist
     shard = torch.empty(local_grad.numel() // dist.get_world_size(), dtype=wire_dtype)
     dist.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))
@@ -82,15 +83,25 @@ def torch_distributed_fp32_wire(local_grad, wire_dtype):
     return shard / dist.get_world_size()
 
 
+def torch_distributed_all_reduce(local_grad, wire_dtype):
+    """Right values through torch.distributed's all-reduce: every rank receives the whole sum."""
+    import torch.distributed as dist
+    whole = local_grad.to(wire_dtype)
+    dist.all_reduce(whole)
+    return whole.float().chunk(dist.get_world_size())[dist.get_rank()] / dist.get_world_size()
+
+
 REDUCE_WRONG = {"added_to_local_shard": megatron_optim_bug, "not_averaged": summed, "wire_not_bf16": fp32_wire,
                 "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce,
-                "no_collective": local_only, "wrong_values_bf16": torch_distributed_fp32_wire}
+                "no_collective": local_only}
+# the same mistakes made through torch.distributed's own functions, which the check records too
+DIRECT_WRONG = {"wire_not_bf16": torch_distributed_fp32_wire, "used_all_reduce": torch_distributed_all_reduce}
 
 
 @pytest.fixture(scope="module")
 def reduce_launch():
     solution = LAB06["reduce_grad_shard"][1]
-    answers = [solution, torch_distributed, *REDUCE_WRONG.values()]
+    answers = [solution, torch_distributed, *REDUCE_WRONG.values(), *DIRECT_WRONG.values()]
     return SharedLaunch(lab06._run_reduce, [(f,) for f in answers],
                         world_size=lab06.WORLD)
 
@@ -106,9 +117,8 @@ def test_reduce_grad_shard_verdicts(reduce_launch, monkeypatch):
     # the error has two sources: each rank's gradient rounded to bf16, and the bf16 sum across ranks
     assert "rounded to bf16 and the ranks' contributions summed in bf16" in right.message
     direct = lab06.check_reduce_grad_shard(torch_distributed)
-    assert direct.solved and "torch.distributed" in direct.message
-    assert "rounded to bf16 and the ranks' contributions summed in bf16" in direct.message
-    for name, answer in REDUCE_WRONG.items():
+    assert direct.solved and "moved 16 bytes per reduce-scatter instead of 32" in direct.message
+    for name, answer in [*REDUCE_WRONG.items(), *DIRECT_WRONG.items()]:
         assert lab06.check_reduce_grad_shard(answer).mistake == name, name
 
 

@@ -28,9 +28,11 @@ Verdicts print no timings and no addresses, so nbval can compare them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 from typing import Any, Callable
 
@@ -106,6 +108,66 @@ def wrong_collectives(used: list[str], expected: str, right: str, why: str, hint
     if names != [expected]:
         return mistake(f"not_{expected}", f"{right}, but it came through {', '.join(names)}: {why}", hint)
     return None
+
+
+# torch.distributed's collective functions -> (the name a Timeline gives the collective, the position
+# of the argument whose bytes a Timeline counts as its size: the output of an all-gather, the input of
+# a reduce-scatter or an all-to-all, the tensor itself otherwise)
+_TORCH_COLLECTIVES = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0), "reduce": ("reduce", 0),
+                      "all_gather_into_tensor": ("all_gather", 0), "all_gather": ("all_gather", 0),
+                      "reduce_scatter_tensor": ("reduce_scatter", 1), "reduce_scatter": ("reduce_scatter", 1),
+                      "all_to_all_single": ("all_to_all", 1), "all_to_all": ("all_to_all", 1),
+                      # the names torch 2.13 gives the first two tensor forms (the old ones warn there)
+                      "all_gather_single": ("all_gather", 0), "reduce_scatter_single": ("reduce_scatter", 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectCall:
+    """A collective called straight through ``torch.distributed``: its ``name`` and size ``bytes``
+    as a Timeline would record them, and ``args`` (``dtype``, ``group_size``) read the same way."""
+
+    name: str
+    bytes: int
+    args: dict
+
+
+@contextlib.contextmanager
+def torch_collective_calls():
+    """Record, in the yielded list, every call of ``torch.distributed``'s collective functions
+    (looked up on the module, as ``dist.all_reduce(...)`` does) made while the block runs, as
+    :class:`DirectCall` s: what a Timeline cannot see, since it records ``fsdp_lab.collectives``.
+    Calls made from fsdp_lab's own code (gloo's reduce-scatter is an all-to-all) are left to the
+    Timeline, so nothing is counted twice. Not thread-safe: it swaps the module's attributes for
+    the duration of the block."""
+    import torch.distributed as dist
+
+    calls: list[DirectCall] = []
+    originals = {name: getattr(dist, name) for name in _TORCH_COLLECTIVES if hasattr(dist, name)}
+
+    def recording(function_name, function):
+        name, position = _TORCH_COLLECTIVES[function_name]
+        parameter = list(inspect.signature(function).parameters)[position]
+
+        def call(*args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("fsdp_lab."):
+                return function(*args, **kwargs)  # fsdp_lab's own (gloo's reduce-scatter): the Timeline's
+            value = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(parameter)
+            tensors = list(value) if isinstance(value, (list, tuple)) else [value]
+            tensors = [t for t in tensors if hasattr(t, "element_size")]
+            group = kwargs.get("group")
+            calls.append(DirectCall(name, sum(t.numel() * t.element_size() for t in tensors), {
+                "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
+                "group_size": dist.get_world_size(group)}))
+            return function(*args, **kwargs)
+        return call
+
+    for function_name, function in originals.items():
+        setattr(dist, function_name, recording(function_name, function))
+    try:
+        yield calls
+    finally:
+        for function_name, function in originals.items():
+            setattr(dist, function_name, function)
 
 
 def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str], _Outcome | None] | None = None):

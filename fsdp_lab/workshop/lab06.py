@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
+                                        torch_collective_calls)
 
 WORLD = 2
 NUMEL = 8  # a whole gradient; each rank's shard is NUMEL // WORLD elements
@@ -42,13 +43,19 @@ def _run_reduce(answer):
     out = {}
     for name, wire in WIRES.items():
         local = rank_gradient(rank)
-        with Timeline() as tl:
+        with Timeline() as tl, torch_collective_calls() as direct:
             result = answer(local, wire)
         if isinstance(result, torch.Tensor):
             result = result.detach().clone()
         out[name] = {"result": result,
-                     "comm": [(e.name, e.bytes, e.args.get("dtype")) for e in tl.comm_events()]}
+                     "comm": [(e.name, e.bytes, e.args.get("dtype")) for e in [*tl.comm_events(), *direct]]}
     return out
+
+
+def summed_in_bf16_mean(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of ``grads`` as a bf16 wire gives it: each rounded to bf16, summed in bf16 (what
+    gloo does), divided by the world size in float32."""
+    return torch.stack([g.to(torch.bfloat16) for g in grads]).sum(0).float() / WORLD
 
 
 def _close(a, b, atol=1e-6) -> bool:
@@ -105,26 +112,23 @@ def check_reduce_grad_shard(reduce_grad_shard):
         return mistake("returned_wire_dtype", f"with a bf16 wire you returned {dtype}: the shard the "
                                               "optimizer steps must be accumulated in float32",
                        hint="return shard.float() / world")
+    error = (summed_in_bf16_mean(grads) - total / WORLD).abs().max().item()
+    if not names:  # right values through calls neither recorder sees (a group's own methods, say)
+        return correct(f"on {WORLD} ranks each shard is the mean gradient (off the float32 mean by up to "
+                       f"{error:.1e} with a bf16 wire). The check saw none of your collectives, so the bytes "
+                       "on the wire were not counted: with collectives.reduce_scatter_tensor or "
+                       "torch.distributed.reduce_scatter_tensor it would count them")
     wire_dtypes = {d for o in bf16 for _, _, d in o["comm"]}
-    if names and wire_dtypes != {"bfloat16"}:
+    if wire_dtypes != {"bfloat16"}:
         return mistake("wire_not_bf16", f"asked for a bf16 wire, your collectives sent {sorted(wire_dtypes)}: "
                                         "the bytes on the wire are not halved",
                        hint="cast local_grad to wire_dtype before the reduce-scatter")
-    summed_in_bf16 = (torch.stack([g.to(torch.bfloat16) for g in grads]).sum(0)).float() / WORLD
+    summed_in_bf16 = summed_in_bf16_mean(grads)
     if not all(_close(o["result"], summed_in_bf16.chunk(WORLD)[r], atol=0) for r, o in enumerate(bf16)):
         return mistake("wrong_values_bf16", "with a bf16 wire your shards differ from the sum of the ranks' "
                                             "bf16 gradients (done on one process)",
                        hint="cast local_grad to wire_dtype before the reduce-scatter, and the shard back "
                             "to float32 after it")
-    error = (summed_in_bf16 - total / WORLD).abs().max().item()
-    if not names:
-        # torch.distributed's own calls are right too, but only fsdp_lab.collectives shows the bytes sent
-        return correct(f"on {WORLD} ranks each shard is the mean gradient; with a bf16 wire each rank's gradient "
-                       f"was rounded to bf16 and the ranks' contributions summed in bf16 (off the float32 mean by "
-                       f"up to {error:.1e}). Your calls "
-                       "went straight to torch.distributed, which the Timeline cannot see: with "
-                       "fsdp_lab.collectives.reduce_scatter_tensor the check would also count the bytes "
-                       "each wire moves")
     sent = {w: sum(b for name, b, _ in out[0][w]["comm"]) for w in WIRES}
     if "all_reduce" in names:
         return mistake("used_all_reduce", f"the values are right but you all-reduced: every rank received "

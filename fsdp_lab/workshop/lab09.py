@@ -10,8 +10,7 @@
   name that mistake.
 
 An agreement that calls ``torch.distributed``'s collectives directly is counted too: the Timeline
-records ``fsdp_lab.collectives``, and the check counts calls of ``torch.distributed``'s
-collective functions made while the answer runs.
+records ``fsdp_lab.collectives``, and ``checking.torch_collective_calls`` the rest.
 
 The lab's tables and figures are drawn by the helpers at the end of this module; the notebook
 computes what they show, with ``step_peak`` (the peak bytes of one training step on one process)
@@ -25,7 +24,7 @@ import itertools
 import time
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake
+from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake, torch_collective_calls
 
 WORLD = 2
 # every (oom, not_done) of each of the two ranks: 16 cases, run in one launch
@@ -46,41 +45,13 @@ def _run(answer):
     rank, out = dist.get_rank(), []
     for case in CASES:
         mine = case[rank]
-        with Timeline() as tl, _counting_torch_collectives() as direct:
+        with Timeline() as tl, torch_collective_calls() as direct:
             got = answer(*mine)
-        n_collectives = len(tl.comm_events()) + direct[0]
+        n_collectives = len(tl.comm_events()) + len(direct)
         ours = oom._flags(*mine)  # fsdp_lab's own, on the same ranks
         out.append((tuple(int(v) for v in got) if isinstance(got, (tuple, list)) else got,
                     n_collectives, (ours[0], 1 - ours[1])))
     return out
-
-
-_TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                      "reduce_scatter", "broadcast", "reduce", "all_to_all", "all_to_all_single")
-
-
-@contextlib.contextmanager
-def _counting_torch_collectives():
-    """Count (in the yielded one-item list) calls of ``torch.distributed``'s collective functions
-    looked up on the module while the block runs; fsdp_lab.collectives calls the process group
-    itself, so its calls are not counted twice."""
-    import torch.distributed as dist
-
-    count, originals = [0], {name: getattr(dist, name) for name in _TORCH_COLLECTIVES}
-
-    def counted(function):
-        def call(*args, **kwargs):
-            count[0] += 1
-            return function(*args, **kwargs)
-        return call
-
-    for name, function in originals.items():
-        setattr(dist, name, counted(function))
-    try:
-        yield count
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
 
 
 @checker("agreement", hint="put [oom, not_done] in one int32 tensor, collectives.all_reduce(t, op='max'), "
