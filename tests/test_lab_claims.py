@@ -55,6 +55,17 @@ FALSE_CLAIMS = [
     (r"PyTorch's FSDP1 makes an fp32 copy per parameter",
      "PyTorch's FSDP1 casts one flat gradient; per-parameter fp32 copies were fairscale's"),
     (r"caps [^.]* at 2", "limit_all_gathers is PyTorch's rate limiter, not a cap of two"),
+    (r"a measured busbw stays below them", "an all-reduce run with NVLink SHARP passes the link's one-way peak"),
+    (r"Mixed dtypes and `requires_grad` in one group",
+     "PyTorch's fully_shard refuses trainable parameters of different dtypes in one group"),
+    (r"where FSDP1 needs one flat parameter per dtype",
+     "PyTorch's FSDP1 refuses mixed dtypes; one flat parameter per dtype is fsdp_lab's FSDP1"),
+    (r"PyTorch's behaviour: that of\s+FSDP1", "PyTorch's FSDP1 keeps a no_sync gradient in param_dtype"),
+    (r"gradients exist \(under `no_sync`", "fairscale's optimize_backward_concat concatenates only in the "
+                                           "backward that syncs"),
+    (r"rank 0 quantizes the model layer by layer",
+     "every rank of Answer.AI's script quantizes on its GPU; rank 0 keeps the result on the CPU"),
+    (r"max_memory_allocated` on a GPU partly includes", "the CUDA context is outside the caching allocator"),
 ]
 
 

@@ -146,18 +146,22 @@ def torch_collective_calls():
 
     def recording(function_name, function):
         name, position = _TORCH_COLLECTIVES[function_name]
-        parameter = list(inspect.signature(function).parameters)[position]
+        signature = inspect.signature(function)
+        parameter = list(signature.parameters)[position]
 
         def call(*args, **kwargs):
             if sys._getframe(1).f_globals.get("__name__", "").startswith("fsdp_lab."):
                 return function(*args, **kwargs)  # fsdp_lab's own (gloo's reduce-scatter): the Timeline's
-            value = inspect.signature(function).bind_partial(*args, **kwargs).arguments.get(parameter)
-            tensors = list(value) if isinstance(value, (list, tuple)) else [value]
-            tensors = [t for t in tensors if hasattr(t, "element_size")]
-            group = kwargs.get("group")
+            try:
+                arguments = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:  # bad arguments: torch's own function says what is wrong
+                return function(*args, **kwargs)
+            value = arguments.get(parameter)
+            tensors = [t for t in (value if isinstance(value, (list, tuple)) else [value])
+                       if hasattr(t, "element_size")]
             calls.append(DirectCall(name, sum(t.numel() * t.element_size() for t in tensors), {
                 "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
-                "group_size": dist.get_world_size(group)}))
+                "group_size": dist.get_world_size(arguments.get("group"))}))
             return function(*args, **kwargs)
         return call
 

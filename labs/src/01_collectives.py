@@ -151,10 +151,10 @@ CELLS = [
     | InfiniBand NDR, one port | 400 Gb/s, each direction | 50 GB/s (bits to bytes) | NVIDIA ConnectX-7 / Quantum-2 (NDR 400 Gb/s) |
     | InfiniBand HDR, one port | 200 Gb/s, each direction | 25 GB/s (bits to bytes) | NVIDIA ConnectX-6 (HDR 200 Gb/s) |
 
-    These are the links' peaks: a ring or tree collective's busbw stays below them (NCCL reaches about 80%
-    of them). On NVSwitch systems NCCL can run an all-reduce with NVLink SHARP, the switch doing the
-    reduction; its busbw can then pass the one-way peak (about 480 GB/s on 8 H100s) and no longer counts
-    bytes on the wire. Inside one node the GPUs talk over
+    These are the links' peaks: a ring or tree collective's busbw stays below them. On NVSwitch systems NCCL
+    can run an all-reduce with NVLink SHARP, the switch doing the reduction; its busbw can then pass the
+    one-way peak (NCCL's maintainers report about 480 GB/s on 8 H100s, NVIDIA/nccl-tests issue #212) and
+    no longer counts bytes on the wire. Inside one node the GPUs talk over
     NVLink (or PCIe without it); between nodes a collective is bounded by the network, typically one
     InfiniBand port per GPU. gloo moves bytes over TCP on the loopback interface, driven by the CPU.
     Measured here, beside those peaks (timings vary from run to run, so this cell's output is not checked;
