@@ -94,8 +94,8 @@ def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfd
             stdout, stderr = fds[len(RANK_FDS):]
             os.dup2(stdout, 1)  # as Popen(stdout=..., stderr=...) would
             os.dup2(stderr, 2)
-            os.close(stdout)
-            os.close(stderr)
+            for fd in {stdout, stderr} - {1, 2}:
+                os.close(fd)
             os.environ.clear()
             os.environ.update(env)
             # A fresh interpreter seeds these from the OS; a fork would share the server's state.
