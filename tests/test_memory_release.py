@@ -263,25 +263,31 @@ def _results(world: int) -> list[dict]:
     return _LAUNCHED[world]
 
 
-@pytest.mark.parametrize("world,case", [(w, name) for w, names in CASES.items() for name in names],
-                         ids=lambda x: str(x))
-def test_every_fsdp_storage_dies_with_its_model(world, case):
+def _case_on_every_rank(world: int, case: str):
+    """(rank, result) of ``case`` on every rank of its launch; a case that raised fails here."""
     for rank, cases in enumerate(_results(world)):
         result = cases[case]
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        yield rank, result
+
+
+EVERY_CASE = pytest.mark.parametrize("world,case", [(w, name) for w, names in CASES.items() for name in names],
+                                     ids=lambda x: str(x))
+
+
+@EVERY_CASE
+def test_every_fsdp_storage_dies_with_its_model(world, case):
+    for rank, result in _case_on_every_rank(world, case):
         assert result["watched"] > 0, f"rank {rank}: nothing watched"
         assert result["alive"] == [], f"rank {rank}: still alive after del: {result['alive']}"
 
 
-@pytest.mark.parametrize("world,case", [(w, name) for w, names in CASES.items() for name in names],
-                         ids=lambda x: str(x))
+@EVERY_CASE
 def test_a_training_step_leaves_no_reference_cycles(world, case):
     # Nothing of a step, FSDP's or the optimizer's, waits for the collector: a cycle of plain
     # objects holds no memory the tracker counts, but it makes the collector run more often
     # and at moments that depend on everything else the process allocates.
-    for rank, cases in enumerate(_results(world)):
-        result = cases[case]
-        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+    for rank, result in _case_on_every_rank(world, case):
         assert result["cycles"] == {}, f"rank {rank}: objects only the collector frees: {result['cycles']}"
 
 
