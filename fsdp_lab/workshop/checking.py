@@ -132,16 +132,19 @@ class DirectCall:
 
 
 @contextlib.contextmanager
-def torch_collective_calls():
-    """Record, in the yielded list, every call of ``torch.distributed``'s collective functions
-    (looked up on the module, as ``dist.all_reduce(...)`` does) made while the block runs, as
-    :class:`DirectCall` s: what a Timeline cannot see, since it records ``fsdp_lab.collectives``.
-    Calls made from fsdp_lab's own code (gloo's reduce-scatter is an all-to-all) are left to the
-    Timeline, so nothing is counted twice. Not thread-safe: it swaps the module's attributes for
-    the duration of the block."""
+def collective_calls():
+    """Record every collective the block issues, in the yielded list once the block ends: those
+    through ``fsdp_lab.collectives`` as a Timeline's comm events, then every call of
+    ``torch.distributed``'s collective functions (looked up on the module, as
+    ``dist.all_reduce(...)`` does) as :class:`DirectCall` s with the same ``name``, ``bytes`` and
+    ``args``. Calls made from fsdp_lab's own code (gloo's reduce-scatter is an all-to-all) are
+    the Timeline's, so nothing is counted twice. Not thread-safe: it swaps the module's
+    attributes for the duration of the block."""
     import torch.distributed as dist
 
-    calls: list[DirectCall] = []
+    from fsdp_lab.timeline import Timeline
+
+    calls: list = []
     originals = {name: getattr(dist, name) for name in _TORCH_COLLECTIVES if hasattr(dist, name)}
 
     def recording(function_name, function):
@@ -168,10 +171,12 @@ def torch_collective_calls():
     for function_name, function in originals.items():
         setattr(dist, function_name, recording(function_name, function))
     try:
-        yield calls
+        with Timeline() as timeline:
+            yield calls
     finally:
         for function_name, function in originals.items():
             setattr(dist, function_name, function)
+    calls[:0] = timeline.comm_events()
 
 
 def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str], _Outcome | None] | None = None):

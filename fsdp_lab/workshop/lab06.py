@@ -22,7 +22,7 @@ import torch
 
 from fsdp_lab.launch import launch
 from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
-                                        torch_collective_calls)
+                                        collective_calls)
 
 WORLD = 2
 NUMEL = 8  # a whole gradient; each rank's shard is NUMEL // WORLD elements
@@ -37,25 +37,16 @@ def rank_gradient(rank: int) -> torch.Tensor:
 def _run_reduce(answer):
     import torch.distributed as dist
 
-    from fsdp_lab.timeline import Timeline
-
     rank = dist.get_rank()
     out = {}
     for name, wire in WIRES.items():
         local = rank_gradient(rank)
-        with Timeline() as tl, torch_collective_calls() as direct:
+        with collective_calls() as calls:
             result = answer(local, wire)
         if isinstance(result, torch.Tensor):
             result = result.detach().clone()
-        out[name] = {"result": result,
-                     "comm": [(e.name, e.bytes, e.args.get("dtype")) for e in [*tl.comm_events(), *direct]]}
+        out[name] = {"result": result, "comm": [(c.name, c.bytes, c.args.get("dtype")) for c in calls]}
     return out
-
-
-def summed_in_bf16_mean(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of ``grads`` as a bf16 wire gives it: each rounded to bf16, summed in bf16 (what
-    gloo does), divided by the world size in float32."""
-    return torch.stack([g.to(torch.bfloat16) for g in grads]).sum(0).float() / WORLD
 
 
 def _close(a, b, atol=1e-6) -> bool:
@@ -112,7 +103,9 @@ def check_reduce_grad_shard(reduce_grad_shard):
         return mistake("returned_wire_dtype", f"with a bf16 wire you returned {dtype}: the shard the "
                                               "optimizer steps must be accumulated in float32",
                        hint="return shard.float() / world")
-    error = (summed_in_bf16_mean(grads) - total / WORLD).abs().max().item()
+    # the mean a bf16 wire gives: each gradient rounded to bf16, summed in bf16 (as gloo does)
+    summed_in_bf16 = torch.stack([g.to(torch.bfloat16) for g in grads]).sum(0).float() / WORLD
+    error = (summed_in_bf16 - total / WORLD).abs().max().item()
     if not names:  # right values through calls neither recorder sees (a group's own methods, say)
         return correct(f"on {WORLD} ranks each shard is the mean gradient (off the float32 mean by up to "
                        f"{error:.1e} with a bf16 wire). The check saw none of your collectives, so the bytes "
@@ -123,7 +116,6 @@ def check_reduce_grad_shard(reduce_grad_shard):
         return mistake("wire_not_bf16", f"asked for a bf16 wire, your collectives sent {sorted(wire_dtypes)}: "
                                         "the bytes on the wire are not halved",
                        hint="cast local_grad to wire_dtype before the reduce-scatter")
-    summed_in_bf16 = summed_in_bf16_mean(grads)
     if not all(_close(o["result"], summed_in_bf16.chunk(WORLD)[r], atol=0) for r, o in enumerate(bf16)):
         return mistake("wrong_values_bf16", "with a bf16 wire your shards differ from the sum of the ranks' "
                                             "bf16 gradients (done on one process)",

@@ -10,7 +10,7 @@
   name that mistake.
 
 An agreement that calls ``torch.distributed``'s collectives directly is counted too: the Timeline
-records ``fsdp_lab.collectives``, and ``checking.torch_collective_calls`` the rest.
+records ``fsdp_lab.collectives``, and ``checking.collective_calls`` adds the rest.
 
 The lab's tables and figures are drawn by the helpers at the end of this module; the notebook
 computes what they show, with ``step_peak`` (the peak bytes of one training step on one process)
@@ -24,7 +24,7 @@ import itertools
 import time
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake, torch_collective_calls
+from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake, collective_calls
 
 WORLD = 2
 # every (oom, not_done) of each of the two ranks: 16 cases, run in one launch
@@ -40,14 +40,13 @@ def _run(answer):
     import torch.distributed as dist
 
     from fsdp_lab import oom
-    from fsdp_lab.timeline import Timeline
 
     rank, out = dist.get_rank(), []
     for case in CASES:
         mine = case[rank]
-        with Timeline() as tl, torch_collective_calls() as direct:
+        with collective_calls() as calls:
             got = answer(*mine)
-        n_collectives = len(tl.comm_events()) + len(direct)
+        n_collectives = len(calls)
         ours = oom._flags(*mine)  # fsdp_lab's own, on the same ranks
         out.append((tuple(int(v) for v in got) if isinstance(got, (tuple, list)) else got,
                     n_collectives, (ours[0], 1 - ours[1])))
