@@ -349,9 +349,8 @@ CELLS = [
     * **`grad_accumulation="concat"`** here follows fairscale's `optimize_backward_concat` as first written
       (PR #1184, 2024, on its Llama-3 training branch, not `main`): an fp32 copy per parameter, concatenated
       once all of a backward's gradients exist — the copies and the concatenation coexist. fairscale
-      concatenates only in the backward that syncs (the last microbatch) and keeps the per-parameter
-      copies until then; `fsdp_lab` concatenates at every backward, under `no_sync` into a flat fp32
-      buffer kept for the next microbatch.
+      concatenates only in the syncing backward (the last microbatch); `fsdp_lab` at every backward,
+      under `no_sync` into a flat fp32 buffer kept for the next microbatch.
     * **`"flat"`** (the default) is fairscale's follow-up (PR #1186): one pre-allocated fp32 flat buffer,
       each gradient added straight into its slice, so at most one parameter's bf16 gradient exists beside
       it. The PR reports 17.4 → 15.1 GB peak reserved memory with identical loss.

@@ -210,8 +210,7 @@ CELLS = [
     (read from the timeline below); return the backward events of those blocks, in order, as `(kind, block)`
     pairs — `("AG", b)` its all-gather, `("bwd", b)` its gradient computation, `("RS", b)` its reduce-scatter
     — for `prefetch` = `"none"`, `"pre"` (FSDP1 `BACKWARD_PRE`, FSDP2's default) or `"post"` (FSDP1
-    `BACKWARD_POST`). Backward visits the blocks in reverse; the all-gather of the block it visits first (the
-    last of `forward`) always comes first;
+    `BACKWARD_POST`). Backward visits the blocks in reverse; the last forward block's all-gather comes first;
     the next block's all-gather is issued before this block's `bwd` (`pre`), right after it (`post`), or after
     this block's reduce-scatter (`none`). The check compares with the events fsdp_lab's FSDP1 and FSDP2
     recorded in the table's timelines.
@@ -313,24 +312,20 @@ CELLS = [
     lab07.print_offload_verdict(repeats, table, OFFLOAD, whole_model="fsdp2 model offload")
     """, tags=["nbval-ignore-output"]),
     md("""
-    What does not vary: every repeat issued the same collectives with the same bytes and reached the same
-    loss; the offload runs differ in how many collectives they issue, and only the whole-model unit (the
-    root, which stays gathered from forward to backward) also gathers fewer bytes.
+    Every repeat issued the same collectives and bytes and reached the same loss; the offload runs differ in
+    their number of collectives, and the whole-model unit (the root, kept gathered) also gathers fewer bytes.
     """),
     code("""
     print("every repeat: same collectives, bytes and loss as the first run:", lab07.repeats_agree(repeats, table, TIMED))
     print(table.format(["name", "all_gathers", "reduce_scatters", "gathered_mib", "reduced_mib"], names=OFFLOAD))
     """),
     md("""
-    On a GPU, per-block units let the copies and collectives of one block run under the previous block's
-    compute, while a whole-model unit must gather everything before any compute — and holds the whole model
-    gathered. That is a claim about GPUs, which the CPU numbers above neither confirm nor refute. For QLoRA,
-    whose NF4 weights are small, coarser groups pay: fewer and larger all-gathers spend less on each
-    collective's fixed cost. FSDP2 gathers a block's NF4-packed weights and its bf16/fp32 parameters in
-    **one** group (as bytes, through a `uint8` view, lab 05). PyTorch's FSDP1 needs one dtype per flat
-    parameter, which is why FSDP1-QLoRA (bitsandbytes' `quant_storage=torch.bfloat16`) stores the packed
-    4-bit codes as bf16 so that a block still flattens into one; `fsdp_lab`'s FSDP1 makes one flat
-    parameter per dtype instead (lab 08).
+    On a GPU, per-block units let one block's copies and collectives run under the previous block's compute,
+    while a whole-model unit gathers (and holds) everything before any compute: a claim about GPUs, which
+    the CPU numbers above neither confirm nor refute. For QLoRA's small NF4 weights coarser groups pay.
+    FSDP2 gathers a block's NF4 codes and bf16/fp32 parameters in **one** group (as bytes, lab 05);
+    PyTorch's FSDP1 takes one dtype per flat parameter, so FSDP1-QLoRA stores the codes as bf16
+    (bitsandbytes' `quant_storage`), and `fsdp_lab`'s FSDP1 makes one flat parameter per dtype (lab 08).
 
     ## 9. FSDP1 vs FSDP2, as an investigation
 
@@ -483,8 +478,8 @@ CELLS = [
     ## Summary
 
     * A timeline's comm events, labelled with their unit, show the order of all-gathers and reduce-scatters;
-      their number and bytes follow from the wrapping alone (all-gathers: the root's 1, 2 per unit that
-      reshards after forward, 1 per unit kept gathered; 1 reduce-scatter per unit).
+      their number and bytes follow from the wrapping (all-gathers: root 1, 2 per resharding unit, 1 per
+      unit kept gathered; 1 reduce-scatter per unit).
     * Prefetching moves an all-gather earlier so it can run under compute. `BACKWARD_PRE` and FSDP2's prefetch
       pay with one more unit gathered at the peak; `BACKWARD_POST` frees the current unit first, so it costs
       no extra unit (on GPUs, PyTorch's documentation says, it overlaps less). A synchronous run has the same

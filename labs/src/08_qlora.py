@@ -141,14 +141,10 @@ CELLS = [
     ## 4b. Dequantization, compiled
 
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
-    the 16-entry code book, multiply by its block's absmax, cast. Written element by element that is several
-    kernels and full-size temporaries; `torch.compile` fuses them into one loop. It works on CPU too
-    (inductor writes C++). The compiled function must give the same values, bit for bit. The cell below also
-    prints the ratios recorded by `benchmarks/nf4_compile.py` (docs/benchmarks.md) and their weight shape;
-    the next cell times this lab's weight here (not compared). Read them before believing that compiling
-    pays: fusing removes the element-wise form's temporaries, but the eager form `fsdp_lab` uses (a gather
-    from the code book) is about as fast already, and on a small shared CPU the compiled call can be the
-    slowest of the three.
+    the 16-entry code book, multiply by its block's absmax, cast. Element by element that is several kernels
+    and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too (inductor writes C++),
+    bit for bit the same values. The cell below prints the ratios `benchmarks/nf4_compile.py` recorded; the
+    next times this lab's weight (not compared). The eager gather form `fsdp_lab` uses is about as fast.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -247,8 +243,8 @@ CELLS = [
     ## 7. QLoRA under FSDP2 on 2 ranks
 
     The CPU Llama (2 blocks), every block linear NF4 with rank-8 adapters, one `fully_shard` group per block.
-    Each rank holds whole 64-value quantization blocks of packed codes (a block is never split between
-    ranks; see docs/qlora.md); the all-gather moves those bytes, not floats. We record step 2 with the `MemoryTracker` and the `Timeline`.
+    Each rank holds whole 64-value quantization blocks of packed codes (never split between ranks;
+    docs/qlora.md); the all-gather moves those bytes. Step 2 is recorded with `MemoryTracker` and `Timeline`.
     """),
     code("""
     def qlora_llama():          # NF4 base weights and rank-8 adapters: both FSDPs train this below
@@ -410,9 +406,8 @@ CELLS = [
       context lives outside it.
     * **The allocator's reserve**: in Answer.AI's script every rank loads and quantizes the model layer by
       layer on its own GPU (rank 0 keeps the result on the CPU, the others on `meta`, and FSDP then
-      broadcasts rank 0's weights with `sync_module_states`); the blocks the caching allocator cached while
-      loading stay reserved into training unless released with `torch.cuda.empty_cache()`, which later
-      versions of the script call after loading.
+      broadcasts rank 0's weights with `sync_module_states`); blocks cached while loading stay reserved
+      unless released by `torch.cuda.empty_cache()`, which later versions of the script call.
     * **bitsandbytes' own buffers**: `Linear4bit` keeps its quantization state on the module, outside the flat
       parameter, so the absmax statistics are replicated on every rank, and in March 2024 each weight was
       dequantized to a full bf16 temporary for its matmul (both worked out from the shapes below).
