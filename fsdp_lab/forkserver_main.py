@@ -94,8 +94,8 @@ def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfd
             stdout, stderr = fds[len(RANK_FDS):]
             os.dup2(stdout, 1)  # as Popen(stdout=..., stderr=...) would
             os.dup2(stderr, 2)
-            for fd in {stdout, stderr} - {1, 2}:
-                os.close(fd)
+            os.close(stdout)
+            os.close(stderr)
             os.environ.clear()
             os.environ.update(env)
             # A fresh interpreter seeds these from the OS; a fork would share the server's state.
@@ -129,6 +129,13 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
 if __name__ == "__main__":
     # Ctrl-C is the parent's to handle; forked ranks inherit this, as launch_rank would set it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A caller started without fds 0-2 (a daemon) leaves them free: descriptors received later
+    # would take those numbers, and a rank's dup2 onto 1 and 2 would overwrite them.
+    for _fd in (0, 1, 2):
+        try:
+            os.fstat(_fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: _fd
     server_socket = socket.socket(fileno=int(sys.argv[1]))
     for _module in sys.argv[2:]:
         importlib.import_module(_module)

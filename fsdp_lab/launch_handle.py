@@ -165,6 +165,8 @@ def expected_gloo_connection(line: str) -> bool:
 def relay(text: str, stream: str, prefix: str) -> None:
     """Write ``text`` to the caller's stream ("stdout"/"stderr"), each line after ``prefix``."""
     out = sys.stdout if stream == "stdout" else sys.stderr
+    if out is None:  # a caller started without that stream (Python sets it to None)
+        return
     if prefix:  # whole lines only, or another rank's line would continue this one
         text = "".join(prefix + line + "\n" for line in text.splitlines())
     out.write(text)

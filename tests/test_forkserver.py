@@ -143,3 +143,26 @@ def test_unknown_start_setting_is_refused(monkeypatch):
     monkeypatch.setenv(forkserver.START_ENV, "forkserver")
     with pytest.raises(ValueError, match="FSDP_LAB_LAUNCH_START must be 'fork' or 'spawn'"):
         launch(_who, world_size=1)
+
+
+def test_a_caller_started_without_stdout_and_stderr_launches(tmp_path):
+    # A daemon's fds 1 and 2 are closed: the fork server it starts inherits them closed, and the
+    # descriptors sent with a fork request must not take those numbers, or a rank's dup2 onto
+    # its stdout would overwrite its message pipe.
+    import subprocess
+    import textwrap
+
+    from _launch_helpers import REPO, env_with_repo
+
+    out = tmp_path / "result.txt"
+    code = textwrap.dedent(f"""
+        import fsdp_lab
+        def rank():
+            import torch.distributed as dist
+            print("printed with no stdout to print to")
+            return dist.get_rank()
+        open({str(out)!r}, "w").write(repr(fsdp_lab.launch(rank, world_size=2, timeout=120)))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env=env_with_repo(), cwd=REPO, timeout=300,
+                          preexec_fn=lambda: (os.close(1), os.close(2)))
+    assert done.returncode == 0 and out.read_text() == "[0, 1]"
