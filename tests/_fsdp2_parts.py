@@ -300,6 +300,11 @@ def _part_unshard_api():
     return out
 
 
+class _ToDouble(nn.Module):
+    def forward(self, x):
+        return x.double()
+
+
 def _part_bad_inputs():
     """Bad input: each must raise a clear error (2 ranks)."""
     import torch.distributed as dist
@@ -342,9 +347,27 @@ def _part_bad_inputs():
     def int_reshard_after_backward():
         fully_shard(nn.Linear(4, 4)).set_reshard_after_backward(0)
 
+    def two_dtypes(freeze_double=False, separately=False):
+        m = nn.Sequential(nn.Linear(4, 4), _ToDouble(), nn.Linear(4, 4).double())
+        m[2].requires_grad_(not freeze_double)
+        if separately:
+            fully_shard(m[2])
+        fully_shard(m)  # the check runs at the first forward, as PyTorch's: requires_grad may change until then
+        m(torch.ones(2, 4)).sum().backward()
+
+    def mixed_trainable_dtypes():
+        two_dtypes()
+
+    def other_dtype_frozen():  # fine: only gradients share a buffer
+        two_dtypes(freeze_double=True)
+
+    def other_dtype_sharded_apart():  # fine: the error's own fix
+        two_dtypes(separately=True)
+
     out["errors"] = {}
     for fn in (tied_separately, twice, mixed_devices, mesh_mismatch, integer_param, int_reshard,
-               string_gradient_sync, int_reshard_after_backward):
+               string_gradient_sync, int_reshard_after_backward, mixed_trainable_dtypes,
+               other_dtype_frozen, other_dtype_sharded_apart):
         try:
             fn()
             out["errors"][fn.__name__] = None

@@ -261,11 +261,18 @@ def test_public_unshard_and_reshard(extras):
     ("int_reshard", "NotImplementedError", "not supported"),
     ("string_gradient_sync", "TypeError", "requires_gradient_sync must be True or False, got 'no'"),
     ("int_reshard_after_backward", "TypeError", "reshard_after_backward must be True or False, got 0"),
+    ("mixed_trainable_dtypes", "ValueError",
+     "groups trainable parameters of different dtypes (0.weight float32, 0.bias float32, 2.weight float64"),
 ])
 def test_bad_input_errors(extras, case, error, words):
     raised = extras["errors"][case]
     assert raised is not None, f"{case} did not raise"
     assert raised[0] == error and words in raised[1], raised
+
+
+@pytest.mark.parametrize("case", ["other_dtype_frozen", "other_dtype_sharded_apart"])
+def test_parameters_of_another_dtype_frozen_or_sharded_apart_are_accepted(extras, case):
+    assert extras["errors"][case] is None
 
 
 def test_extension_all_gathers_codes_and_scales(suite):

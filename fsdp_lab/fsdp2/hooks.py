@@ -112,6 +112,7 @@ class _FSDPState:
         for state in states:  # label timeline events with module paths, e.g. "layers.0"
             if state.group is not None:
                 state.group.name = ",".join(names.get(id(m)) or "root" for m in state.modules)
+                state.group.check_trainable_dtypes(names)  # here, as PyTorch: requires_grad may change after fully_shard
         for state in states:
             if state.is_root is not None and state is not self:
                 raise RuntimeError("an FSDPModule ran forward on its own before its parent; run the root first")

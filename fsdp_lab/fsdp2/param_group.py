@@ -108,6 +108,26 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: _AllGather | None = None  # in flight while GATHERING
 
+    def check_trainable_dtypes(self, paths: dict[int, str]) -> None:
+        """Raise ValueError when the group's trainable parameters do not share one dtype
+        (``paths``: module id -> its name in the root, to name the parameters).
+
+        Their gradients are reduce-scattered in one buffer of one wire dtype, so a float64
+        gradient beside float32 ones would travel (and be averaged) in float32. PyTorch's
+        ``fully_shard`` refuses the same groups at its lazy init ("FSDP expects uniform original
+        parameter dtype"); frozen parameters of other dtypes are fine (they have no gradient).
+        """
+        trainable = [p for p in self.fsdp_params if p.sharded_param.requires_grad]
+        if len({p.orig_dtype for p in trainable}) <= 1 and len({p.dtypes.wire for p in trainable}) <= 1:
+            return
+        names = ", ".join(f"{_param_name(p, paths)} {str(p.orig_dtype).removeprefix('torch.')}" for p in trainable)
+        where = "the root module" if self.name in ("", "root") else self.name
+        raise ValueError(
+            f"fully_shard on {where} groups trainable parameters of different dtypes ({names}); "
+            "their gradients are reduce-scattered in one buffer of one dtype. Cast them to one dtype "
+            "(model.to(dtype)), freeze those of the other dtype, or call fully_shard on the modules of "
+            "each dtype separately")
+
     # -- unshard ---------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """All-gather every parameter of the group (no-op if gathered or being gathered).
@@ -237,3 +257,13 @@ class FSDPParamGroup:
     def sharded_bytes(self) -> int:
         """Bytes of this rank's padded shards (the storage behind the DTensors)."""
         return sum(p.sharded_local_tensor.untyped_storage().nbytes() for p in self.fsdp_params)
+
+
+def _param_name(fsdp_param, paths: dict[int, str]) -> str:
+    """A parameter's name in the root module, e.g. ``layers.0.attention.wq.weight``."""
+    infos = fsdp_param.module_infos
+    if not infos:
+        return "a parameter"
+    module, attribute = infos[0]
+    path = paths.get(id(module), type(module).__name__)
+    return f"{path}.{attribute}" if path else attribute
