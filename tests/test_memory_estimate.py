@@ -207,6 +207,8 @@ def test_bad_arguments_are_named():
         measure_step("cpu", strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="unknown device 'gpu'; use 'cpu' or 'cuda'"):
         estimate("cpu", world_size=1, strategy="ddp", batch_size=1, seq_len=8, device="gpu")
+    with pytest.raises(ValueError, match=r"torch.bfloat16 or 'bfloat16'\), got 'bf16'"):  # the value given
+        estimate("cpu", world_size=1, strategy="ddp", batch_size=1, seq_len=8, param_dtype="bf16")
 
 
 def test_adamw_step_counters_are_off_the_gpu():

@@ -171,6 +171,17 @@ def test_bad_phase_module_is_named():
         MemoryTracker(small_model(), phase_modules=["nope"])
 
 
+@SOURCES
+def test_an_optimizer_in_the_model_s_place_is_named(source):
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module or None, got AdamW \(an optimizer: pass "
+                                        r"the model first"):
+        MemoryTracker(opt, source=source)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got Linear"):
+        MemoryTracker(model, model[0], source=source)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a process that sees no GPU")
 def test_cuda_device_without_a_gpu_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="sees no CUDA GPU.*leave device out.*device='cpu'"):

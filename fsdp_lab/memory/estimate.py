@@ -162,11 +162,11 @@ def hybrid_shard_group_size(world_size: int, shard_group_size: int | None = None
 
 
 def _bytes_of(dtype) -> int:
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch.dtype (or its name), got {dtype!r}")
-    return torch.empty((), dtype=dtype).element_size()
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype or its name in torch (torch.bfloat16 or "
+                         f"'bfloat16'), got {dtype!r}")
+    return torch.empty((), dtype=resolved).element_size()
 
 
 def _nf4_bytes(numel: int) -> int:
