@@ -331,6 +331,16 @@ def test_lab_reset_brings_the_stubs_back_and_keeps_a_backup(labs_copy, capsys):
     assert len(backups) == 1 and json.loads(backups[0].read_text())["cells"] == solved["cells"]
 
 
+def test_lab_reset_execute_writes_the_learner_s_figures_not_the_shipped_ones(labs_copy, capsys, monkeypatch):
+    from fsdp_lab import cli
+
+    monkeypatch.setenv("FSDP_LAB_BUILD", "1")  # even after a build in the same shell
+    assert cli.main(["lab", "--labs", str(labs_copy), "reset", "0", "--execute"]) == 0
+    assert "with fresh outputs" in capsys.readouterr().out
+    assert (labs_copy / "my_figures" / "00_start_here" / "all_reduce_4_ranks.png").is_file()
+    assert not (labs_copy / "figures").exists()  # the committed figures' folder is never written
+
+
 def test_lab_solution_and_list_say_where_things_are(labs_copy, capsys):
     from fsdp_lab import cli
 

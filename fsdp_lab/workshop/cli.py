@@ -83,7 +83,8 @@ def reset(labs: pathlib.Path, name: str, *, execute: bool = False) -> tuple[path
         backup = labs / BACKUP_DIR / f"{stem}-{stamp}.ipynb"
         backup.parent.mkdir(exist_ok=True)
         shutil.copy2(target, backup)
-    nbbuild.write(stem, cells, "student", execute=execute, path=target)
+    # a learner's run: figures go to labs/my_figures/, the shipped ones stay as they are
+    nbbuild.write(stem, cells, "student", execute=execute, path=target, committed_figures=False)
     return target, backup
 
 

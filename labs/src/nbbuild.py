@@ -166,14 +166,19 @@ def output_path(stem: str, version: str) -> pathlib.Path:
 
 
 def write(stem: str, cells: list, version: str, *, execute: bool = True, timeout: int = 600,
-          path: pathlib.Path | None = None) -> pathlib.Path:
-    """Write (and execute, with the kernel in the notebook's folder) one version of a lab."""
+          path: pathlib.Path | None = None, committed_figures: bool = True) -> pathlib.Path:
+    """Write (and execute, with the kernel in the notebook's folder) one version of a lab.
+    ``committed_figures``: the run writes its figures to the committed ``labs/figures/`` (the
+    build), else to the learner's ``labs/my_figures/`` (``fsdp-lab lab reset --execute``)."""
     path = path or output_path(stem, version)
     path.parent.mkdir(parents=True, exist_ok=True)
     nb = notebook(cells, version)
     if execute:
         os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-        os.environ["FSDP_LAB_BUILD"] = "1"  # the build alone writes the committed labs/figures/
+        if committed_figures:  # the build alone writes the committed labs/figures/
+            os.environ["FSDP_LAB_BUILD"] = "1"
+        else:
+            os.environ.pop("FSDP_LAB_BUILD", None)
         NotebookClient(nb, timeout=timeout, kernel_name="python3",
                        resources={"metadata": {"path": str(path.parent)}}).execute()
     for index, cell in enumerate(nb.cells):
