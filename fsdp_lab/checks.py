@@ -1,7 +1,8 @@
-"""Argument checks shared by the public API: each raises an error that names the argument."""
+"""Argument checks shared by the public API and the command line: each error names the argument."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -17,3 +18,15 @@ def check_positive_int(field: str, value: Any) -> None:
     as 1). ``field`` names the argument in the message, e.g. ``"world_size"``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{field} must be a positive int, got {value!r}")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts (ranks, tokens): the int in ``text``. Raises
+    argparse.ArgumentTypeError, which argparse turns into a usage error, for anything below 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import fsdp_lab
 from fsdp_lab import bandwidth, collectives
+from fsdp_lab.checks import positive_int
 from fsdp_lab.dist import choose_backend, cpu_forced, current_device
 from fsdp_lab.launch import launch
 
@@ -144,18 +145,6 @@ def parse_sizes(text: str) -> list[int]:
                 f"bad size {item.strip()!r}: use positive byte counts like 4096, 64K, 1M, 2G")
         sizes.append(int(match.group(1)) * _UNITS[match.group(2).upper()])
     return sizes
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type`` for counts (ranks, tokens): the int in ``text``. Raises
-    argparse.ArgumentTypeError, which argparse turns into a usage error, for anything below 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _human(nbytes: float) -> str:

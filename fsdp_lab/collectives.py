@@ -1,6 +1,7 @@
-"""The one module that calls torch.distributed collectives.
+"""The one module through which fsdp_lab's FSDPs, QLoRA and instruments run collectives.
 
-Every collective fsdp_lab runs goes through the four functions below, so that
+Every collective they run goes through the four functions below (barriers and a few one-off
+checks call torch.distributed directly), so that
 
 * the innermost registered recorder (an active ``fsdp_lab.timeline.Timeline`` registers
   itself with :func:`add_recorder`) gets one comm event per call (name, bytes, dtype, group

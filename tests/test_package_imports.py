@@ -110,3 +110,52 @@ def test_no_function_level_import_that_closes_a_circle():
     dodges = sorted({f"{m} -> {x}" for m, edges in GRAPH.items() for x, nested in edges
                      if nested and reaches(x, m)})
     assert not dodges, f"imports inside functions that hide a circle: {dodges}"
+
+
+def _architecture_layers() -> dict[str, int]:
+    """docs/ARCHITECTURE.md's layer list: module (or ``pkg/`` for a subpackage) -> its line number.
+    Only names outside parentheses count (the parentheses explain, they do not place)."""
+    import re
+
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers, current, depth = {}, None, 0
+    for line in section.splitlines():
+        numbered = re.match(r"(\d+)\. ", line)
+        if numbered:
+            current = int(numbered.group(1))
+        elif not line.startswith("   "):
+            current = None
+        if current is None:
+            continue
+        outside = []
+        for char in line:  # drop parenthesised text, which may span lines
+            depth += char == "("
+            if depth == 0:
+                outside.append(char)
+            depth -= char == ")" and depth > 0
+        for name in re.findall(r"`([\w./]+)`", "".join(outside)):
+            assert name not in layers, f"{name} is on two lines of docs/ARCHITECTURE.md's layer list"
+            layers[name] = current
+    return layers
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int | None:
+    short = module.removeprefix("fsdp_lab.") if module != "fsdp_lab" else "fsdp_lab"
+    if short in layers:
+        return layers[short]
+    first = short.split(".")[0]
+    return layers.get(f"{first}/")  # a module inside a subpackage listed whole
+
+
+def test_the_architecture_page_s_layers_are_the_imports():
+    layers = _architecture_layers()
+    assert len(layers) > 30, "the layer list was not found in docs/ARCHITECTURE.md"
+    unplaced = sorted(m for m in MODULES if _layer_of(m, layers) is None)
+    assert not unplaced, f"modules on no line of docs/ARCHITECTURE.md's layer list: {unplaced}"
+    upward = sorted(f"{m} (line {_layer_of(m, layers)}) imports {x} (line {_layer_of(x, layers)})"
+                    for m, edges in GRAPH.items() for x, _ in edges
+                    if _layer_of(x, layers) >= _layer_of(m, layers)
+                    and not (_layer_of(x, layers) == _layer_of(m, layers) and m.split(".")[:2] == x.split(".")[:2]
+                             and f"{m.split('.')[1]}/" in layers))
+    assert not upward, "imports that do not point up the list: " + "; ".join(upward)

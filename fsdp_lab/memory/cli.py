@@ -9,7 +9,7 @@ import argparse
 
 import torch
 
-from fsdp_lab.cli import positive_int
+from fsdp_lab.checks import positive_int
 from fsdp_lab.memory.estimate import OPTIMIZERS, STRATEGIES, estimate, hybrid_shard_group_size
 from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.models.llama import CONFIGS, LlamaConfig, count_parameters
