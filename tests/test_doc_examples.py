@@ -1,5 +1,5 @@
-"""The whole scripts in docs/fsdp1.md and docs/fsdp2.md run as printed, and their 2 ranks' mean loss
-is one process's loss on the same 4 sequences (the script's first step, before any update)."""
+"""The whole scripts in docs/fsdp1.md, docs/fsdp2.md and docs/huggingface.md run as printed, and
+each gives one process's loss on the same data (the script's first step, before any update)."""
 
 import ast
 import re
@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fsdp_lab.models import Llama, global_batch
 
@@ -15,17 +16,36 @@ from _launch_helpers import REPO
 
 def _first_script(doc: str) -> str:
     text = (REPO / "docs" / doc).read_text()
-    blocks = re.findall(r"```python\n(import torch\n.*?)```", text, flags=re.S)
-    assert blocks, f"docs/{doc} should open with a whole script (a ```python block starting with import torch)"
+    blocks = re.findall(r"```python\n(import torch.*?)```", text, flags=re.S)
+    assert blocks, f"docs/{doc} should hold a whole script (a ```python block starting with import torch)"
     return blocks[0]
 
 
-@pytest.mark.parametrize("doc", ["fsdp1.md", "fsdp2.md"])
-def test_the_doc_s_script_runs_and_matches_one_process(doc):
+def _run(doc: str) -> list[float]:
     run = subprocess.run([sys.executable, "-"], input=_first_script(doc), capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     losses = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert len(losses) == 2
+    return losses
+
+
+@pytest.mark.parametrize("doc", ["fsdp1.md", "fsdp2.md"])
+def test_the_fsdp_doc_s_script_matches_one_process(doc):
+    losses = _run(doc)
     expected = Llama("cpu")(global_batch(512, 4, 16)).loss.item()  # both ranks hold 2 x 16 tokens
     assert abs(sum(losses) / 2 - expected) < 1e-5, (losses, expected)
+
+
+def test_the_hugging_face_doc_s_qlora_script_matches_one_process():
+    transformers = pytest.importorskip("transformers")
+    from fsdp_lab.qlora import apply_lora
+
+    losses = _run("huggingface.md")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = apply_lora(transformers.LlamaForCausalLM(config), rank=8, alpha=16)
+    for rank, loss in enumerate(losses):
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(rank))
+        assert abs(loss - model(input_ids=ids, labels=ids).loss.item()) < 1e-5, (rank, losses)
