@@ -37,7 +37,8 @@ def _rank_suite():
         parts.insert(3, _part_vs_torch)
     out = _run_parts(parts)
     if world == 2:
-        out["extras"] = _run_parts([_part_memory, _part_prefetch_order, _part_unshard_api, _part_bad_inputs])
+        out["extras"] = _run_parts([_part_memory, _part_prefetch_order, _part_unshard_api, _part_bad_inputs,
+                                    _part_requires_grad_changed_after_sharding])
     return out if rank == 0 else {"losses_by_config": {k: v["losses"] for k, v in out.items()
                                                        if isinstance(v, dict) and "losses" in v}}
 
@@ -297,6 +298,47 @@ def _part_unshard_api():
     out["unsharded_w1"] = weight.detach().clone()
     layer.reshard()
     out["resharded_is_dtensor"] = isinstance(layer.feed_forward.w1.weight, DTensor)
+    return out
+
+
+def _part_requires_grad_changed_after_sharding():
+    """A block frozen after fully_shard ("freeze"), and one frozen before it and unfrozen after the
+    first step ("unfreeze"), 3 AdamW steps; ours, and PyTorch's fully_shard where it runs on CPU."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import fully_shard
+    from _torch_reference import TORCH_FSDP2_ON_CPU
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    impls = [("ours", fully_shard)]
+    if TORCH_FSDP2_ON_CPU:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        impls.append(("torch", torch_fully_shard))
+    out = {}
+    for case in ("freeze", "unfreeze"):
+        for impl, fs in impls:
+            model = Llama(_config(), seed=0)
+            block = model.layers[0]
+            block.requires_grad_(case == "freeze")  # trainable when sharded, or frozen then
+            _shard_llama(model, fs)
+            if case == "freeze":
+                block.requires_grad_(False)
+            before = {n: p.full_tensor().clone() for n, p in block.named_parameters()}
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            grads_of_block = []
+            for step in range(3):
+                if case == "unfreeze" and step == 1:
+                    block.requires_grad_(True)
+                    optimizer.add_param_group({"params": list(block.parameters())})
+                batch = shard_batch(global_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ, step=step), rank, world)
+                model(batch).loss.backward()
+                grads_of_block.append(sum(p.grad is not None for p in block.parameters()))
+                optimizer.step()
+                optimizer.zero_grad()
+            out[f"requires_grad_{case}_{impl}"] = {
+                "block_unchanged": all(torch.equal(before[n], p.full_tensor()) for n, p in block.named_parameters()),
+                "grads_of_block": grads_of_block,
+                "local": {k: v.to_local().clone() for k, v in model.state_dict().items()}}
     return out
 
 

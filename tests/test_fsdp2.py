@@ -270,6 +270,21 @@ def test_bad_input_errors(extras, case, error, words):
     assert raised[0] == error and words in raised[1], raised
 
 
+def test_a_block_frozen_after_sharding_gets_no_gradient(extras):
+    frozen = extras["requires_grad_freeze_ours"]
+    assert frozen["grads_of_block"] == [0, 0, 0] and frozen["block_unchanged"]
+    unfrozen = extras["requires_grad_unfreeze_ours"]
+    blocks_params = len(list(Llama(_config(), seed=0).layers[0].parameters()))
+    assert unfrozen["grads_of_block"] == [0, blocks_params, blocks_params] and not unfrozen["block_unchanged"]
+
+
+@pytest.mark.parametrize("case", ["freeze", "unfreeze"])
+def test_requires_grad_changed_after_sharding_matches_torch(extras, case, torch_fsdp2_reference):
+    ours, theirs = extras[f"requires_grad_{case}_ours"], extras[f"requires_grad_{case}_torch"]
+    assert ours["grads_of_block"] == theirs["grads_of_block"]
+    assert _max_diff(ours["local"], theirs["local"]) <= TOL
+
+
 @pytest.mark.parametrize("case", ["other_dtype_frozen", "other_dtype_sharded_apart"])
 def test_parameters_of_another_dtype_frozen_or_sharded_apart_are_accepted(extras, case):
     assert extras["errors"][case] is None

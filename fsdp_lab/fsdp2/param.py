@@ -116,7 +116,7 @@ class FSDPParam:
         shard_dim = mesh.ndim - 1
         self.rank, self.world_size = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
         self.orig_size, self.orig_dtype = param.shape, param.dtype
-        self.requires_grad = param.requires_grad
+        self._initially_requires_grad = param.requires_grad
         self.dtypes = dtypes or ParamDtypes(*(param.dtype,) * 5)
         # (local_rows, *orig_size[1:]) in dtypes.accumulation; only when that is not dtypes.master
         self._sharded_main_grad: torch.Tensor | None = None
@@ -188,6 +188,13 @@ class FSDPParam:
         # DTensor(...) wraps ``local`` itself (DTensor.from_local would take a view, which a
         # quantized subclass need not support)
         return DTensor(local, self._spec, requires_grad=False)
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains: the sharded parameter's flag once it exists (a model may
+        be frozen after ``fully_shard``, as with PyTorch's), else the original parameter's."""
+        sharded = getattr(self, "sharded_param", None)
+        return sharded.requires_grad if sharded is not None else self._initially_requires_grad
 
     @property
     def module_infos(self) -> list[tuple[nn.Module, str]]:
@@ -265,8 +272,11 @@ class FSDPParam:
 
     # -- 4. swap --------------------------------------------------------------------------
     def to_unsharded(self) -> None:
+        unsharded = self.unsharded_param
+        if unsharded.requires_grad != self.requires_grad:  # frozen or unfrozen since the last gather
+            unsharded.requires_grad_(self.requires_grad)
         for module, name in self.module_infos:
-            module._parameters[name] = self.unsharded_param
+            module._parameters[name] = unsharded
 
     def to_sharded(self) -> None:
         for module, name in self.module_infos:
