@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_lab import oom, sync_points
-from fsdp_lab.checks import check_bool, check_positive_int
+from fsdp_lab.checks import check_bool, check_model_and_optimizer, check_positive_int
 from fsdp_lab.oom import PeerOutOfMemoryError, agree, suspend_budget
 
 # Steps in a row whose allocator retries grew that count as an out-of-memory (Composer's rule).
@@ -133,6 +133,7 @@ class AutoMicrobatch:
                  start: int | None = None, *, min_microbatch: int = 1,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, stable_steps: int = 3,
                  detect_thrashing: bool = True):
+        check_model_and_optimizer("AutoMicrobatch", model, optimizer)
         for name, value in (("global_batch_size", global_batch_size), ("min_microbatch", min_microbatch)):
             check_positive_int(name, value)
         check_bool("detect_thrashing", detect_thrashing)

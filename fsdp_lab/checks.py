@@ -20,6 +20,19 @@ def check_positive_int(field: str, value: Any) -> None:
         raise ValueError(f"{field} must be a positive int, got {value!r}")
 
 
+def check_model_and_optimizer(owner: str, model: Any, optimizer: Any) -> None:
+    """Raise TypeError, naming the fix, unless ``model`` is a module (or None) and ``optimizer``
+    an optimizer (or None): the two passed in each other's place is the usual slip."""
+    import torch
+
+    if model is not None and not isinstance(model, torch.nn.Module):
+        hint = (f" (an optimizer: pass the model first, {owner}(model, optimizer, ...))"
+                if isinstance(model, torch.optim.Optimizer) else "")
+        raise TypeError(f"{owner}'s model must be a torch.nn.Module, got {type(model).__name__}{hint}")
+    if optimizer is not None and not (hasattr(optimizer, "state") and hasattr(optimizer, "register_step_pre_hook")):
+        raise TypeError(f"{owner}'s optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` for counts (ranks, tokens): the int in ``text``. Raises
     argparse.ArgumentTypeError, which argparse turns into a usage error, for anything below 1."""

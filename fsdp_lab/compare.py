@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -379,8 +379,11 @@ def compare(runs: list, *, model: str = "cpu", steps: int = MIN_STEPS, world_siz
         ValueError: runs whose parameter count or data differ (unless ``allow_mismatch``),
             duplicate names, steps < 3, a world size, batch or sequence length below 1, a batch
             not divisible by world_size, a bad setting.
-        TypeError: a run that is neither a dict nor a RunConfig, or has unknown settings.
+        TypeError: a single run instead of a list, a run that is neither a dict nor a RunConfig,
+            or has unknown settings.
     """
+    if isinstance(runs, (dict, RunConfig)):
+        raise TypeError("compare takes a list of runs and got one run; pass compare([run]) (or several)")
     configs = [_as_config(r) for r in runs]
     if not configs:
         raise ValueError("compare needs at least one run")

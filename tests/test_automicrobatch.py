@@ -285,6 +285,8 @@ def test_bad_arguments():
         AutoMicrobatch(model, opt, 7, start=6, min_microbatch=2)
     with pytest.raises(TypeError, match="detect_thrashing must be True or False, got 'no'"):
         AutoMicrobatch(model, opt, 8, detect_thrashing="no")
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got SGD \(an optimizer: pass the model first"):
+        AutoMicrobatch(opt, model, 8)
     with pytest.raises(ValueError, match="positive"):
         with memory_budget(0):
             pass

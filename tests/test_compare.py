@@ -145,6 +145,8 @@ def test_bad_settings_are_named():
         RunConfig(implementation="fsdp1", wrapping="two_blocks")
     with pytest.raises(TypeError, match="unknown run settings"):
         compare([{"wraping": "block"}])
+    with pytest.raises(TypeError, match=r"a list of runs and got one run; pass compare\(\[run\]\)"):
+        compare({"implementation": "fsdp2"})
     with pytest.raises(ValueError, match="unique"):
         compare([{}, {}])
     with pytest.raises(ValueError, match="steps must be >= 3"):

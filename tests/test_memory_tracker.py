@@ -175,10 +175,10 @@ def test_bad_phase_module_is_named():
 def test_an_optimizer_in_the_model_s_place_is_named(source):
     model = small_model()
     opt = torch.optim.AdamW(model.parameters())
-    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module or None, got AdamW \(an optimizer: pass "
-                                        r"the model first"):
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got AdamW \(an optimizer: pass "
+                                        r"the model first, MemoryTracker\(model, optimizer"):
         MemoryTracker(opt, source=source)
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got Linear"):
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got Linear"):
         MemoryTracker(model, model[0], source=source)
 
 

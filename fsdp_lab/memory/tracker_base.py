@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from fsdp_lab.checks import check_model_and_optimizer
 from fsdp_lab.memory import tags
 from fsdp_lab.memory.ledger import StorageLedger
 from fsdp_lab.memory.ownership import reachable_storage_ids
@@ -34,7 +35,7 @@ class TrackerBase(StorageLedger):
     def __init__(self, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  *, device: torch.device | str | None = None, phase_modules: Iterable[str] | None = None):
         super().__init__()
-        _check_arguments(model, optimizer)
+        check_model_and_optimizer("MemoryTracker", model, optimizer)
         self.model, self.optimizer = model, optimizer
         if device is None:
             param = next(iter(model.parameters()), None) if model is not None else None
@@ -201,17 +202,6 @@ class TrackerBase(StorageLedger):
                             peak_label=self._peak_label, current=self.current(),
                             timeline=self.timeline(), max_by_category=self.max_by_category(),
                             cuda=dict(self._cuda))
-
-def _check_arguments(model, optimizer) -> None:
-    """TypeError, naming the fix, for a model or optimizer of the wrong kind (passed in each other's place)."""
-    if model is not None and not isinstance(model, nn.Module):
-        hint = (" (an optimizer: pass the model first, MemoryTracker(model, optimizer), or optimizer=...)"
-                if isinstance(model, torch.optim.Optimizer) else "")
-        raise TypeError(f"MemoryTracker's model must be a torch.nn.Module or None, got {type(model).__name__}{hint}")
-    if optimizer is not None and not (hasattr(optimizer, "state") and hasattr(optimizer, "register_step_pre_hook")):
-        raise TypeError(f"MemoryTracker's optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
-
 
 def _modules_by_name(model: nn.Module) -> dict[str, nn.Module]:
     """``model.named_modules()`` plus the same names without FSDP1's ``_fsdp_wrapped_module``
