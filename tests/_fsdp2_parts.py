@@ -18,8 +18,8 @@ from fsdp_lab.states import ShardedState
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
 
-from _fsdp2_models import (GLOBAL_BATCH, SEQ, Uneven, _config, _freeze, _quantized_model, _shard_llama, _train,
-                           _train_quantized, _train_step_by_step)
+from _fsdp2_models import (EPS, GLOBAL_BATCH, LR, SEQ, Uneven, _config, _freeze, _quantized_model, _shard_llama,
+                           _train, _train_quantized, _train_step_by_step)
 
 
 # -- what every rank runs ------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def _rank_suite():
     out = _run_parts(parts)
     if world == 2:
         out["extras"] = _run_parts([_part_memory, _part_prefetch_order, _part_unshard_api, _part_bad_inputs,
-                                    _part_requires_grad_changed_after_sharding])
+                                    _part_requires_grad_changed_after_sharding, _part_two_forwards_one_backward])
     return out if rank == 0 else {"losses_by_config": {k: v["losses"] for k, v in out.items()
                                                        if isinstance(v, dict) and "losses" in v}}
 
@@ -339,6 +339,37 @@ def _part_requires_grad_changed_after_sharding():
                 "block_unchanged": all(torch.equal(before[n], p.full_tensor()) for n, p in block.named_parameters()),
                 "grads_of_block": grads_of_block,
                 "local": {k: v.to_local().clone() for k, v in model.state_dict().items()}}
+    return out
+
+
+def two_forwards_one_backward(model, rank, world, steps=3):
+    """Each step: the losses of two batches summed, one backward (a module's backward runs twice)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        first, second = (shard_batch(global_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ, step=s), rank, world)
+                         for s in (step, step + steps))
+        (model(first).loss + model(second).loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _part_two_forwards_one_backward():
+    """Ours (and PyTorch's fully_shard where it runs on CPU) through ``two_forwards_one_backward``."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import fully_shard
+    from _torch_reference import TORCH_FSDP2_ON_CPU
+
+    impls = [("ours", fully_shard)]
+    if TORCH_FSDP2_ON_CPU:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        impls.append(("torch", torch_fully_shard))
+    out = {}
+    for impl, fs in impls:
+        model = _shard_llama(Llama(_config(), seed=0), fs)
+        two_forwards_one_backward(model, dist.get_rank(), dist.get_world_size())
+        out[f"two_forwards_{impl}"] = {"local": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+                                       "full": _full_params(model) if impl == "ours" else None}
     return out
 
 

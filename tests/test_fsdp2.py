@@ -285,6 +285,19 @@ def test_requires_grad_changed_after_sharding_matches_torch(extras, case, torch_
     assert _max_diff(ours["local"], theirs["local"]) <= TOL
 
 
+def test_two_forwards_then_one_backward_matches_single_process(extras):
+    from _fsdp2_parts import two_forwards_one_backward
+
+    model = Llama(_config(), seed=0)
+    two_forwards_one_backward(model, 0, 1)  # both batches whole, in one process
+    assert _max_diff(extras["two_forwards_ours"]["full"], model.state_dict()) <= TOL
+
+
+def test_two_forwards_then_one_backward_matches_torch(extras, torch_fsdp2_reference):
+    ours, theirs = extras["two_forwards_ours"], extras["two_forwards_torch"]
+    assert _max_diff(ours["local"], theirs["local"]) <= TOL
+
+
 @pytest.mark.parametrize("case", ["other_dtype_frozen", "other_dtype_sharded_apart"])
 def test_parameters_of_another_dtype_frozen_or_sharded_apart_are_accepted(extras, case):
     assert extras["errors"][case] is None

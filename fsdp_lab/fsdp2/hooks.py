@@ -2,7 +2,8 @@
 ``fully_shard`` call, one ``_RootContext`` shared by every state under the root.
 
 A state's ``training_state`` (``states.TrainingState``) walks IDLE -> FORWARD -> IDLE ->
-BACKWARD_PRE -> BACKWARD_POST -> IDLE each step; the root context's ``step``
+BACKWARD_PRE -> BACKWARD_POST -> IDLE each step (BACKWARD_POST -> BACKWARD_PRE again when its
+modules ran forward more than once before the backward); the root context's ``step``
 (``states.StepState``) is IN_BACKWARD while its end-of-backward callback is queued. Each keeps
 what is in flight in one named object (``_ReduceScatter``) and has a ``reset()``, which
 ``FSDPModule.recover_from_error`` calls root first, then state, group and parameter.
@@ -188,8 +189,10 @@ class _FSDPState:
         if root.step == StepState.IDLE:
             root.step = StepState.IN_BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(root_final_callback_for(root))
-        if self.group is None or self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST):
-            return  # gathered for this backward already
+        if self.group is None or self.training_state == TrainingState.BACKWARD_PRE:
+            return  # gathered for this part of the backward already
+        # after BACKWARD_POST it gathers again: a module that ran forward twice (two losses summed)
+        # has its backward run twice, and the first post-backward resharded it, as in PyTorch's
         sync_points.fire("pre_backward", self.group.name)
         self.training_state = TrainingState.BACKWARD_PRE
         self.group.unshard()
