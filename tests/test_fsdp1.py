@@ -64,7 +64,8 @@ def reference(config: str = "cpu", frozen: bool = False, accumulate: int = 1, cl
 
 
 # --- what each rank runs ----------------------------------------------------------------------------
-def _train(config="cpu", frozen=False, accumulate=1, clip=None, checkpointing=False, **fsdp_kwargs):
+def _train(config="cpu", frozen=False, accumulate=1, clip=None, checkpointing=False, two_forwards=False,
+           **fsdp_kwargs):
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
     from fsdp_lab.models.llama import apply_activation_checkpointing
 
@@ -84,7 +85,10 @@ def _train(config="cpu", frozen=False, accumulate=1, clip=None, checkpointing=Fa
             local = shard_batch(micro, rank, world)
             last = i == len(micros) - 1
             with model.no_sync() if not last else contextlib.nullcontext():
-                loss = model(local).loss / accumulate
+                if two_forwards:  # each unit runs forward twice before one backward: the same mean
+                    loss = sum(model(half).loss for half in local.chunk(2)) / 2 / accumulate
+                else:
+                    loss = model(local).loss / accumulate
                 loss.backward()
             total += loss.detach()
         if clip is not None:
@@ -113,6 +117,10 @@ def _configs(world: int) -> dict[str, dict]:
     configs["FULL_SHARD+clip"] = dict(clip=0.5)
     configs["FULL_SHARD+tied"] = dict(config="cpu-tied")
     configs["FULL_SHARD+checkpointing+frozen"] = dict(checkpointing=True, frozen=True)
+    configs["FULL_SHARD+two_forwards"] = dict(two_forwards=True)
+    configs["SHARD_GRAD_OP+two_forwards+frozen"] = dict(two_forwards=True, frozen=True,
+                                                         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
+    configs["FULL_SHARD+two_forwards+checkpointing+frozen"] = dict(two_forwards=True, checkpointing=True, frozen=True)
     configs["FULL_SHARD+concat+no_prefetch"] = dict(grad_accumulation="concat", backward_prefetch=None,
                                                     forward_prefetch=True)
     return configs

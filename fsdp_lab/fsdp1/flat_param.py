@@ -69,7 +69,8 @@ class FlatParamHandle:
         self._alias = spec.size == 1 and compute_dtype == self.dtype and not spec.offload
         self.state = ShardedState.UNSHARDED if self._alias else ShardedState.SHARDED
         self._all_gather: _AllGather | None = None
-        self.leaves: list[torch.Tensor] = []          # full-shape autograd leaves of this forward
+        self.leaves: list[torch.Tensor] = []          # full-shape views on the modules; autograd leaves
+        self._leaves_tracked = False                  # ... made by a tracked forward, kept until backward ends
         self.flat_grad = FlatGrad(self.layout, spec, grad_config, self.dtype, unit_name) \
             if self.requires_grad else None
         self._unit_name = unit_name
@@ -176,20 +177,32 @@ class FlatParamHandle:
         set_version(self.full, pending.version)
         self.state = ShardedState.UNSHARDED
 
-    def use_unsharded_views(self, track_grads: bool) -> None:
+    def use_unsharded_views(self, track_grads: bool) -> bool:
         """Give every module a full-shape view of ``full`` in place of the Parameter.
 
-        With ``track_grads`` each view is a fresh autograd leaf (sharing ``full``'s storage)
-        whose gradient ``flat_grad`` collects; otherwise a plain view.
+        With ``track_grads`` each view is an autograd leaf (sharing ``full``'s storage) whose
+        gradient ``flat_grad`` collects. The leaves are made at the first such forward after a
+        backward and kept until the next backward ends (``to_idle``): a unit that runs forward
+        twice before one backward (two losses summed) then gets one gradient per leaf, the sum
+        of both, as autograd gives PyTorch's flat parameter. Otherwise plain views (kept as
+        ``leaves`` too, for ``restore_unsharded_views``, unless tracked leaves exist). Returns
+        True when it made new leaves (``flat_grad`` must expect them).
         """
-        self.leaves = []
-        for index, info in enumerate(self.infos):
-            view = self.layout.full_view(self.full, index)
-            if track_grads:
-                view = view.detach().requires_grad_(True)
-            self.leaves.append(view)
+        made = track_grads and not self._leaves_tracked
+        if made:
+            self.leaves = [self.layout.full_view(self.full, index).detach().requires_grad_(True)
+                           for index in range(len(self.infos))]
+            self._leaves_tracked = True
+        if track_grads:
+            views = self.leaves
+        else:
+            views = [self.layout.full_view(self.full, index) for index in range(len(self.infos))]
+            if not self._leaves_tracked:
+                self.leaves = views
+        for info, view in zip(self.infos, views):
             for module, name in info.uses:
                 module._parameters[name] = view
+        return made
 
     def restore_unsharded_views(self) -> None:
         """Put the views made in forward back on the modules (backward may re-run the
@@ -218,7 +231,7 @@ class FlatParamHandle:
         """Between steps: gathered bytes freed, the Parameters on the modules, no leaves."""
         self.reshard()
         self.use_sharded_views()
-        self.leaves = []
+        self.leaves, self._leaves_tracked = [], False
 
     def reset(self) -> None:
         """Back to idle after an interrupted step: finish an issued all-gather, free, and drop

@@ -53,8 +53,9 @@ class FlatHandle(Protocol):
     def wait_for_unshard(self) -> None:
         """Finish the all-gather (issuing it first if needed); afterwards the data is whole."""
 
-    def use_unsharded_views(self, track_grads: bool) -> None:
-        """Put full-shape parameters on the modules; with ``track_grads`` fresh autograd leaves."""
+    def use_unsharded_views(self, track_grads: bool) -> bool:
+        """Put full-shape parameters on the modules; with ``track_grads`` autograd leaves, kept
+        until the backward ends. True when new leaves were made (a gradient to expect each)."""
 
     def restore_unsharded_views(self) -> None:
         """Put the full-shape parameters of the last ``use_unsharded_views`` back on the modules."""

@@ -14,7 +14,8 @@ are ``handle.FlatHandle``s. Per step, for a unit:
               module backward
               _post_backward: (a handle's flat gradient has all its parts) free,
                               [BACKWARD_POST prefetch], queue its reduce-scatter
-              _on_input_grads:(grads w.r.t. the unit's inputs exist) free frozen flat params
+              _on_input_grads:(grads w.r.t. the inputs of every forward since the last backward
+                              exist) free frozen flat params
     end of backward (root):   wait for every reduce, free what is left, reset.
 
 These are the places where collective-synchronising hooks belong (pre-forward,
@@ -187,10 +188,13 @@ class ShardedUnit(nn.Module):
         self.__dict__["_root_ref"] = None  # weak: the root holds its units, not the other way round
         self.__dict__["_root_state"] = None  # only on the root
         self.training_state = TrainingState.IDLE
+        self._forwards_awaiting_input_grads = 0  # tracked forwards whose input gradients are not all back
+
 
     def reset_runtime(self) -> None:
         """After an interrupted step: this unit idle, its flat parameters reset."""
         self.training_state = TrainingState.IDLE
+        self._forwards_awaiting_input_grads = 0
         for handle in self._handles:
             handle.reset()
 
@@ -257,8 +261,7 @@ class ShardedUnit(nn.Module):
         for index, handle in enumerate(self._handles):
             handle.wait_for_unshard()
             trainable = track and handle.requires_grad
-            handle.use_unsharded_views(track_grads=trainable)
-            if trainable:
+            if handle.use_unsharded_views(track_grads=trainable):  # new leaves (a later forward reuses them)
                 handle.flat_grad.expect(handle.leaves, _weak_callback(self, "_post_backward", index))
         if self.forward_prefetch and shared.order_recorded:
             order = shared.exec_order
@@ -266,6 +269,7 @@ class ShardedUnit(nn.Module):
             for unit in ahead[:1]:  # PyTorch's forward_prefetch: the next unit only
                 unit._unshard()
         if track and any(not h.requires_grad for h in self._handles):
+            self._forwards_awaiting_input_grads += 1
             args, kwargs, _ = call_after_input_grads(_weak_callback(self, "_on_input_grads"), args, kwargs)
         return args, kwargs
 
@@ -326,7 +330,13 @@ class ShardedUnit(nn.Module):
             handle.flat_grad.keep_unreduced()
 
     def _on_input_grads(self) -> None:
-        self._reshard([h for h in self._handles if not h.requires_grad])
+        """The gradients of one forward's inputs exist: once every forward's have (a unit run
+        twice before one backward has its backward run twice), nothing needs the frozen flat
+        parameters any more. A forward whose graph was dropped never calls back: its unit's
+        frozen parameters are then freed at the end of backward instead."""
+        self._forwards_awaiting_input_grads -= 1
+        if self._forwards_awaiting_input_grads == 0:
+            self._reshard([h for h in self._handles if not h.requires_grad])
 
     def _finish_backward(self) -> None:
         """End of backward (root only): reduce what is left, wait for every reduce, free all."""
@@ -341,6 +351,7 @@ class ShardedUnit(nn.Module):
             for handle in unit._handles:
                 handle.to_idle()
             unit.training_state = TrainingState.IDLE
+            unit._forwards_awaiting_input_grads = 0
         self._shared.step = StepState.IDLE
 
     def recover_from_error(self) -> None:

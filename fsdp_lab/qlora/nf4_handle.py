@@ -143,14 +143,16 @@ class NF4FlatParamHandle:
         for handle in self.handles.values():
             handle.wait_for_unshard()
 
-    def use_unsharded_views(self, track_grads: bool = False) -> None:
-        """Put an NF4Tensor over the gathered bytes on every module holding an NF4 weight."""
+    def use_unsharded_views(self, track_grads: bool = False) -> bool:
+        """Put an NF4Tensor over the gathered bytes on every module holding an NF4 weight.
+        Returns False: frozen weights have no gradient to expect."""
         self.leaves = []
         for weight, (info, layout) in enumerate(zip(self.infos, self.layouts)):
             rebuilt = NF4Tensor(*self._inner(weight, gathered=True), layout)
             self.leaves.append(rebuilt)
             for module, name in info.uses:
                 module._parameters[name] = rebuilt
+        return False
 
     def restore_unsharded_views(self) -> None:
         for info, rebuilt in zip(self.infos, self.leaves):
