@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fsdp_lab import launch
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, TransformerBlock
+from test_fsdp1_rank_checks import _WithUnusedLayer
 
 STEPS, BATCH, SEQ, VOCAB = 5, 8, 32, 512
 LR, EPS = 1e-3, 1e-5  # eps well above float32 round-off of the gradients: AdamW does not amplify it
@@ -192,6 +193,14 @@ def test_every_rank_ends_with_the_same_full_state(world_results):
         for rank in range(1, world):
             for key, value in results[0][name]["state"].items():
                 assert torch.equal(value, results[rank][name]["state"][key]), (name, rank, key)
+
+
+def test_a_parameter_without_gradient_gets_zeros_as_in_pytorch_s_fsdp1(world_results):
+    _, results = world_results
+    reference = _WithUnusedLayer()
+    reference(torch.ones(2, 4)).backward()
+    assert reference.unused.weight.grad is None  # one process: no gradient at all
+    assert torch.equal(results[0]["unused_grad"], torch.zeros(4, 4))  # FSDP1: zeros (docs/fsdp1.md)
 
 
 def test_frozen_parameters_do_not_change(world_results):

@@ -295,10 +295,31 @@ def fsdp2_run(steps: int, lr: float, eps: float) -> dict:
     return {"fsdp2": {"losses": losses, "state": get_full_state_dict(model, rank0_only=False)}}
 
 
+class _WithUnusedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x).pow(2).mean()
+
+
+def unused_parameter_checks() -> dict:
+    """A layer the forward never uses: its gradient after one backward (FSDP1 gives a zero one,
+    as PyTorch's FSDP1 does; one process leaves it None)."""
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    model = FSDP(_WithUnusedLayer())
+    model(torch.ones(2, 4)).backward()
+    with FSDP.summon_full_params(model, with_grads=True):
+        return {"unused_grad": model.unused.weight.grad.clone() if model.unused.weight.grad is not None else None}
+
+
 def rank_checks(steps: int, lr: float, eps: float) -> dict:
     results = fsdp2_run(steps, lr, eps)
     for check in (state_dict_checks, sync_module_states_checks, summon_checks, frozen_reshard_checks, prefetch_checks,
-                  grad_accumulation_checks, error_checks):
+                  grad_accumulation_checks, error_checks, unused_parameter_checks):
         results.update(check())
     return results
 
