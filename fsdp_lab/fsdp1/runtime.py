@@ -190,7 +190,6 @@ class ShardedUnit(nn.Module):
         self.training_state = TrainingState.IDLE
         self._forwards_awaiting_input_grads = 0  # tracked forwards whose input gradients are not all back
 
-
     def reset_runtime(self) -> None:
         """After an interrupted step: this unit idle, its flat parameters reset."""
         self.training_state = TrainingState.IDLE
