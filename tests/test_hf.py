@@ -209,6 +209,16 @@ def test_apply_lora_default_targets_hugging_face_names(family):
     assert len(hf.lora_modules(model)) == 2 * len(HF_LINEARS)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("targets", ["all-linear", r".*\.(q_proj|down_proj)", r"model\.layers\.1\..*_proj"])
+def test_string_target_modules_pick_what_peft_picks(family, targets):
+    ours = apply_lora(tiny_model(family), target_modules=targets, quantize_base=False)
+    theirs = peft.get_peft_model(tiny_model(family), peft.LoraConfig(r=8, target_modules=targets))
+    picked = {name.removeprefix("base_model.model.") for name, m in theirs.named_modules()
+              if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert set(hf.lora_modules(ours)) == picked and picked
+
+
 def test_save_pretrained_qlora_and_peft_adapters_load_in_peft(tmp_path):
     model = qlora(tiny_model("llama"))
     ids = batch(0)

@@ -185,6 +185,18 @@ def test_dropout_only_in_training():
     assert not torch.allclose(lora(x), expected, atol=1e-6)
 
 
+def test_target_modules_as_peft_takes_them():
+    def wrapped(targets):
+        model = apply_lora(TinyLM(), target_modules=targets, quantize_base=False)
+        return sorted(n for n, m in model.named_modules() if isinstance(m, LoRALinear))
+
+    every_linear = sorted(n for n, m in TinyLM().named_modules() if isinstance(m, nn.Linear) and n != "output")
+    assert wrapped("all-linear") == every_linear and "output" not in every_linear  # PEFT: not the output layer
+    assert wrapped(r"layers\.1\..*\.(wq|w2)") == ["layers.1.attention.wq", "layers.1.feed_forward.w2"]  # a regex
+    assert wrapped("wq") == ["layers.0.attention.wq", "layers.1.attention.wq"]  # one string: still a suffix
+    assert wrapped(["wq", "wk"]) == wrapped(r".*\.w[qk]")
+
+
 def test_apply_lora_errors():
     with pytest.raises(ValueError, match="rank must be a positive"):
         apply_lora(TinyLM(), rank=0)

@@ -14,6 +14,7 @@ FSDP shards it like any frozen parameter; the adapters are the parameters ``lora
 from __future__ import annotations
 
 import math
+import re
 from typing import NamedTuple, Sequence
 
 import torch
@@ -88,8 +89,35 @@ def _frozen(param: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(param.detach(), requires_grad=False)
 
 
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
+
+
 def _matches(name: str, targets: Sequence[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    """The layer that makes the logits: Hugging Face's ``get_output_embeddings()``, else a child
+    named ``output`` (this package's Llama) or ``lm_head``."""
+    getter = getattr(model, "get_output_embeddings", None)
+    found = getter() if callable(getter) else None
+    return found if isinstance(found, nn.Module) else getattr(model, "output", None) or getattr(model, "lm_head", None)
+
+
+def _targeted(model: nn.Module, target_modules: Sequence[str] | str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module ``target_modules`` names (see ``apply_lora``)."""
+    named = [(n, m) for n, m in model.named_modules() if n]
+    if target_modules == ALL_LINEAR:
+        output = _output_layer(model)
+        return [(n, m) for n, m in named if isinstance(m, nn.Linear) and m is not output]
+    if isinstance(target_modules, str):  # as PEFT: a regular expression for the whole name (or a suffix)
+        try:
+            pattern = re.compile(target_modules)
+        except re.error:
+            pattern = None
+        return [(n, m) for n, m in named if (pattern is not None and pattern.fullmatch(n))
+                or _matches(n, (target_modules,))]
+    return [(n, m) for n, m in named if _matches(n, target_modules)]
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -99,7 +127,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def apply_lora(
     model: nn.Module,
-    target_modules: Sequence[str] = DEFAULT_TARGETS,
+    target_modules: Sequence[str] | str = DEFAULT_TARGETS,
     rank: int = 8,
     alpha: float = 16,
     dropout: float = 0.0,
@@ -110,8 +138,10 @@ def apply_lora(
     """Wrap the linear layers whose name ends with one of ``target_modules`` in ``LoRALinear``.
 
     In place; returns ``model``. A module matches when its qualified name equals a target
-    or ends with ``"." + target`` (``layers.0.attention.wq`` matches ``"wq"``). The default
-    targets are this package's Llama names (``wq``...``w3``) and Hugging Face's
+    or ends with ``"." + target`` (``layers.0.attention.wq`` matches ``"wq"``). As in PEFT, one
+    string instead of a list is also a regular expression the whole name must match
+    (``r".*\\.(wq|wv)"``), and ``"all-linear"`` takes every ``nn.Linear`` but the output
+    layer. The default targets are this package's Llama names (``wq``...``w3``) and Hugging Face's
     (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``). With
     ``quantize_base`` their weights become ``NF4Tensor`` parameters (QLoRA). Afterwards
     only ``lora_a``/``lora_b`` parameters require grad; everything else is frozen.
@@ -122,14 +152,13 @@ def apply_lora(
     check_positive_int("LoRA rank", rank)
     check_bool("quantize_base", quantize_base)
     check_bool("double_quant", double_quant)
-    if isinstance(target_modules, str):
-        target_modules = (target_modules,)
-    matched = [(n, m) for n, m in model.named_modules() if n and _matches(n, target_modules)]
+    matched = _targeted(model, target_modules)
     if not matched:
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         shown = ", ".join(linears[:30]) + (" ..." if len(linears) > 30 else "")
+        given = repr(target_modules) if isinstance(target_modules, str) else list(target_modules)
         raise ValueError(
-            f"no module matched target_modules={list(target_modules)}; linear layers in the model: "
+            f"no module matched target_modules={given}; linear layers in the model: "
             f"{shown or '(none)'}. Pass name suffixes from that list."
         )
     for name, module in matched:
