@@ -44,7 +44,8 @@ def _microbatches(step: int, accumulate: int):
 
 # --- the reference: one process, the whole global batch -------------------------------------------
 @functools.lru_cache(maxsize=None)
-def reference(config: str = "cpu", frozen: bool = False, accumulate: int = 1, clip: float | None = None):
+def reference(config: str = "cpu", frozen: bool = False, accumulate: int = 1, clip: float | None = None,
+              backward_twice: bool = False):
     model = Llama(config, seed=0)
     if frozen:
         _freeze(model)
@@ -54,7 +55,9 @@ def reference(config: str = "cpu", frozen: bool = False, accumulate: int = 1, cl
         total = 0.0
         for micro in _microbatches(step, accumulate):
             loss = model(micro).loss / accumulate
-            loss.backward()
+            loss.backward(retain_graph=backward_twice)
+            if backward_twice:  # the same graph again: every gradient twice
+                loss.backward()
             total += loss.item()
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
@@ -66,7 +69,7 @@ def reference(config: str = "cpu", frozen: bool = False, accumulate: int = 1, cl
 
 # --- what each rank runs ----------------------------------------------------------------------------
 def _train(config="cpu", frozen=False, accumulate=1, clip=None, checkpointing=False, two_forwards=False,
-           **fsdp_kwargs):
+           backward_twice=False, **fsdp_kwargs):
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, ModuleWrapPolicy
     from fsdp_lab.models.llama import apply_activation_checkpointing
 
@@ -90,7 +93,9 @@ def _train(config="cpu", frozen=False, accumulate=1, clip=None, checkpointing=Fa
                     loss = sum(model(half).loss for half in local.chunk(2)) / 2 / accumulate
                 else:
                     loss = model(local).loss / accumulate
-                loss.backward()
+                loss.backward(retain_graph=backward_twice)
+                if backward_twice:  # a second backward through the kept graph, after the first ended
+                    loss.backward()
             total += loss.detach()
         if clip is not None:
             norms.append(model.clip_grad_norm_(clip).item())
@@ -122,6 +127,9 @@ def _configs(world: int) -> dict[str, dict]:
     configs["SHARD_GRAD_OP+two_forwards+frozen"] = dict(two_forwards=True, frozen=True,
                                                          sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
     configs["FULL_SHARD+two_forwards+checkpointing+frozen"] = dict(two_forwards=True, checkpointing=True, frozen=True)
+    configs["FULL_SHARD+backward_twice"] = dict(backward_twice=True)
+    configs["FULL_SHARD+backward_twice+checkpointing+frozen"] = dict(backward_twice=True, checkpointing=True,
+                                                                     frozen=True)
     configs["FULL_SHARD+concat+no_prefetch"] = dict(grad_accumulation="concat", backward_prefetch=None,
                                                     forward_prefetch=True)
     return configs
@@ -144,7 +152,7 @@ def world_results(request):
 # --- parity with the reference ------------------------------------------------------------------------
 def _reference_for(name: str, kwargs: dict):
     return reference(kwargs.get("config", "cpu"), kwargs.get("frozen", False), kwargs.get("accumulate", 1),
-                     kwargs.get("clip"))
+                     kwargs.get("clip"), kwargs.get("backward_twice", False))
 
 
 def _round_off_floor(name: str, kwargs: dict, world: int) -> float:
@@ -152,7 +160,7 @@ def _round_off_floor(name: str, kwargs: dict, world: int) -> float:
     in ``world`` times as many microbatches: the round-off that a different summation order makes."""
     _, whole, _ = _reference_for(name, kwargs)
     _, pieces, _ = reference(kwargs.get("config", "cpu"), kwargs.get("frozen", False),
-                             kwargs.get("accumulate", 1) * world, kwargs.get("clip"))
+                             kwargs.get("accumulate", 1) * world, kwargs.get("clip"), kwargs.get("backward_twice", False))
     return max((pieces[k] - v).abs().max().item() for k, v in whole.items())
 
 

@@ -100,6 +100,8 @@ class FlatGrad:
     def _arrive(self, index: int, on_ready: Callable[[], None], leaf: torch.Tensor) -> None:
         grad = leaf.grad.reshape(-1)
         leaf.grad = None
+        if self.expected == 0:  # a further backward through a graph that gave its gradients already
+            self.arrived, self.expected = set(), len(self.layout.infos)  # (retain_graph, a second loss)
         self._add(index, grad)
         if len(self.arrived) == self.expected:
             self.expected = 0  # ready once per backward

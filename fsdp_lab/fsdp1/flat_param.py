@@ -70,7 +70,7 @@ class FlatParamHandle:
         self.state = ShardedState.UNSHARDED if self._alias else ShardedState.SHARDED
         self._all_gather: _AllGather | None = None
         self.leaves: list[torch.Tensor] = []          # full-shape views on the modules; autograd leaves
-        self._leaves_tracked = False                  # ... made by a tracked forward, kept until backward ends
+        self._leaves_tracked = False                  # ... made by a tracked forward, kept until reset()
         self.flat_grad = FlatGrad(self.layout, spec, grad_config, self.dtype, unit_name) \
             if self.requires_grad else None
         self._unit_name = unit_name
@@ -181,12 +181,14 @@ class FlatParamHandle:
         """Give every module a full-shape view of ``full`` in place of the Parameter.
 
         With ``track_grads`` each view is an autograd leaf (sharing ``full``'s storage) whose
-        gradient ``flat_grad`` collects. The leaves are made at the first such forward after a
-        backward and kept until the next backward ends (``to_idle``): a unit that runs forward
-        twice before one backward (two losses summed) then gets one gradient per leaf, the sum
-        of both, as autograd gives PyTorch's flat parameter. Otherwise plain views (kept as
-        ``leaves`` too, for ``restore_unsharded_views``, unless tracked leaves exist). Returns
-        True when it made new leaves (``flat_grad`` must expect them).
+        gradient ``flat_grad`` collects. The leaves are made at the first such forward and kept
+        (views of ``full``, whose storage is freed and refilled in place; dropped by ``reset``
+        only): a unit that runs forward twice before one backward (two losses summed) then gets
+        one gradient per leaf, the sum of both, as autograd gives PyTorch's flat parameter, and a
+        backward through a graph kept from before (``retain_graph``, a second loss of the same
+        forward) finds its leaves, hooks and, under checkpointing, its views again. Otherwise
+        plain views (kept as ``leaves`` too, for ``restore_unsharded_views``, unless tracked
+        leaves exist). Returns True when it made new leaves (``flat_grad`` must expect them).
         """
         made = track_grads and not self._leaves_tracked
         if made:
@@ -228,15 +230,16 @@ class FlatParamHandle:
         return 0 if self._alias else self.full.untyped_storage().nbytes()
 
     def to_idle(self) -> None:
-        """Between steps: gathered bytes freed, the Parameters on the modules, no leaves."""
+        """Between steps: gathered bytes freed, the Parameters on the modules (the leaves kept)."""
         self.reshard()
         self.use_sharded_views()
-        self.leaves, self._leaves_tracked = [], False
 
     def reset(self) -> None:
         """Back to idle after an interrupted step: finish an issued all-gather, free, and drop
-        the gradient being built or reduced (``FlatGrad.reset``)."""
+        the gradient being built or reduced (``FlatGrad.reset``) and the leaves, which may hold
+        a gradient the broken backward did not collect."""
         self.to_idle()
+        self.leaves, self._leaves_tracked = [], False
         if self.flat_grad is not None:
             self.flat_grad.reset()
 

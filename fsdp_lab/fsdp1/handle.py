@@ -54,8 +54,8 @@ class FlatHandle(Protocol):
         """Finish the all-gather (issuing it first if needed); afterwards the data is whole."""
 
     def use_unsharded_views(self, track_grads: bool) -> bool:
-        """Put full-shape parameters on the modules; with ``track_grads`` autograd leaves, kept
-        until the backward ends. True when new leaves were made (a gradient to expect each)."""
+        """Put full-shape parameters on the modules; with ``track_grads`` autograd leaves, made
+        once and kept until ``reset``. True when new leaves were made (a gradient to expect each)."""
 
     def restore_unsharded_views(self) -> None:
         """Put the full-shape parameters of the last ``use_unsharded_views`` back on the modules."""
@@ -70,7 +70,7 @@ class FlatHandle(Protocol):
         """Bytes of gathered data held right now."""
 
     def to_idle(self) -> None:
-        """Between steps (end of backward): freed, Parameters on the modules, leaves dropped."""
+        """Between steps (end of backward): freed, Parameters on the modules (views kept)."""
 
     def reset(self) -> None:
         """Back to idle after an interrupted step: collectives issued are finished, the

@@ -333,7 +333,8 @@ class ShardedUnit(nn.Module):
         twice before one backward has its backward run twice), nothing needs the frozen flat
         parameters any more. A forward whose graph was dropped never calls back: its unit's
         frozen parameters are then freed at the end of backward instead."""
-        self._forwards_awaiting_input_grads -= 1
+        # (at 0 already: a further backward through an old graph, after the first one ended)
+        self._forwards_awaiting_input_grads = max(0, self._forwards_awaiting_input_grads - 1)
         if self._forwards_awaiting_input_grads == 0:
             self._reshard([h for h in self._handles if not h.requires_grad])
 

@@ -178,11 +178,11 @@ class NF4FlatParamHandle:
 
     def to_idle(self) -> None:
         self.reshard()
-        self.use_sharded_views()
-        self.leaves = []
+        self.use_sharded_views()  # (the NF4 views stay in leaves: a later backward may recompute with them)
 
     def reset(self) -> None:
         self.to_idle()
+        self.leaves = []
 
     # --- whole weights and state dicts ------------------------------------------------------------
     @contextlib.contextmanager
