@@ -295,10 +295,11 @@ def test_summon_full_params_options_as_pytorch_defines_them(world_results):
         assert "same device" in options["with_grads+offload_to_cpu"]
 
 
-def test_frozen_unit_is_freed_before_the_next_unit_backward(world_results):
+@pytest.mark.parametrize("case", ["frozen_reshard", "frozen_reshard_eval_first", "frozen_reshard_checkpointed_around"])
+def test_frozen_unit_is_freed_before_the_next_unit_backward(world_results, case):
     world, results = world_results
     for result in results:
-        sample = result["frozen_reshard"]
+        sample = result[case]
         # layers.1 is frozen: re-gathered in its backward, freed as soon as grads w.r.t. its
         # input exist, i.e. before layers.0's backward starts (not at the end of backward).
         assert sample["layers.1 gathered in its backward"] > 0 or world == 1

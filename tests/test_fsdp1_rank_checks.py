@@ -143,7 +143,30 @@ def summon_option_checks() -> dict:
     return out
 
 
+class _CheckpointedCall(nn.Module):
+    """Calls a unit through non-reentrant checkpointing: backward runs the unit's forward again."""
+
+    def __init__(self, unit):
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.unit, *args, use_reentrant=False)
+
+
 def frozen_reshard_checks() -> dict:
+    """Gathered bytes of the frozen unit layers.1 during backward: plain; after an evaluation
+    forward with grad on and no backward ("eval_first"); with checkpointing around the unit
+    ("checkpointed_around", whose recomputed graph is never backpropagated)."""
+    out = {"frozen_reshard": _frozen_reshard_sample("plain")}
+    for case in ("eval_first", "checkpointed_around"):
+        out[f"frozen_reshard_{case}"] = _frozen_reshard_sample(case)
+    return out
+
+
+def _frozen_reshard_sample(case: str) -> dict:
     from fsdp_lab.memory.tracker import MemoryTracker
 
     base = Llama("cpu", seed=0)
@@ -151,6 +174,8 @@ def frozen_reshard_checks() -> dict:
         p.requires_grad_(False)
     model = _fsdp(base)
     units = _units(model)
+    if case == "checkpointed_around":
+        model.layers[1] = _CheckpointedCall(model.layers[1])
     sample = {}
 
     def unsharded(name):
@@ -166,9 +191,11 @@ def frozen_reshard_checks() -> dict:
 
     units["layers.1"].module.register_full_backward_pre_hook(at_layer1)
     units["layers.0"].module.register_full_backward_pre_hook(at_layer0)
+    if case == "eval_first":
+        model(_local_batch(step=1)).loss.item()  # its graph is dropped at once
     with MemoryTracker(model) as tracker:
         model(_local_batch()).loss.backward()
-    return {"frozen_reshard": sample}
+    return sample
 
 
 def prefetch_checks() -> dict:

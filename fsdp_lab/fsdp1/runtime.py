@@ -73,6 +73,12 @@ def clean_name(name: str) -> str:
     return name.replace(f"{WRAPPED}.", "")
 
 
+class _Forward:
+    """A token for one forward of a unit (see ``ShardedUnit._on_input_grads``)."""
+
+    __slots__ = ("__weakref__",)
+
+
 def _weak_callback(unit: "ShardedUnit", method: str, *args) -> Callable[[], None]:
     """``getattr(unit, method)(*args)`` while ``unit`` lives; holds it weakly (autograd hooks
     that call back into the unit live on tensors the unit holds)."""
@@ -188,12 +194,15 @@ class ShardedUnit(nn.Module):
         self.__dict__["_root_ref"] = None  # weak: the root holds its units, not the other way round
         self.__dict__["_root_state"] = None  # only on the root
         self.training_state = TrainingState.IDLE
-        self._forwards_awaiting_input_grads = 0  # tracked forwards whose input gradients are not all back
+        # one token per tracked forward whose input gradients have not come back; only that
+        # forward's graph holds it, so a graph dropped without backward (an evaluation with grad
+        # on, a recomputation's) leaves the set by itself
+        self._forwards_awaiting_input_grads: weakref.WeakSet[_Forward] = weakref.WeakSet()
 
     def reset_runtime(self) -> None:
         """After an interrupted step: this unit idle, its flat parameters reset."""
         self.training_state = TrainingState.IDLE
-        self._forwards_awaiting_input_grads = 0
+        self._forwards_awaiting_input_grads.clear()
         for handle in self._handles:
             handle.reset()
 
@@ -268,8 +277,10 @@ class ShardedUnit(nn.Module):
             for unit in ahead[:1]:  # PyTorch's forward_prefetch: the next unit only
                 unit._unshard()
         if track and any(not h.requires_grad for h in self._handles):
-            self._forwards_awaiting_input_grads += 1
-            args, kwargs, _ = call_after_input_grads(_weak_callback(self, "_on_input_grads"), args, kwargs)
+            token = _Forward()
+            args, kwargs, hooked = call_after_input_grads(_weak_callback(self, "_on_input_grads", token), args, kwargs)
+            if hooked:
+                self._forwards_awaiting_input_grads.add(token)
         return args, kwargs
 
     def _post_forward(self, output) -> None:
@@ -328,14 +339,13 @@ class ShardedUnit(nn.Module):
         else:
             handle.flat_grad.keep_unreduced()
 
-    def _on_input_grads(self) -> None:
-        """The gradients of one forward's inputs exist: once every forward's have (a unit run
-        twice before one backward has its backward run twice), nothing needs the frozen flat
-        parameters any more. A forward whose graph was dropped never calls back: its unit's
-        frozen parameters are then freed at the end of backward instead."""
-        # (at 0 already: a further backward through an old graph, after the first one ended)
-        self._forwards_awaiting_input_grads = max(0, self._forwards_awaiting_input_grads - 1)
-        if self._forwards_awaiting_input_grads == 0:
+    def _on_input_grads(self, token: "_Forward") -> None:
+        """The gradients of one forward's inputs exist: once every live forward's have (a unit
+        run twice before one backward has its backward run twice), nothing needs the frozen flat
+        parameters any more. A forward whose graph was dropped is not waited for (its token died
+        with the graph); a further backward through a kept graph finds its token gone already."""
+        self._forwards_awaiting_input_grads.discard(token)
+        if not self._forwards_awaiting_input_grads:
             self._reshard([h for h in self._handles if not h.requires_grad])
 
     def _finish_backward(self) -> None:
@@ -351,7 +361,7 @@ class ShardedUnit(nn.Module):
             for handle in unit._handles:
                 handle.to_idle()
             unit.training_state = TrainingState.IDLE
-            unit._forwards_awaiting_input_grads = 0
+            unit._forwards_awaiting_input_grads.clear()
         self._shared.step = StepState.IDLE
 
     def recover_from_error(self) -> None:
