@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from fsdp_lab.qlora.lora import LoRALinear, apply_lora
+from fsdp_lab.qlora.lora import LoRALinear, apply_lora, names_a_target
 from fsdp_lab.qlora.nf4_tensor import is_nf4_shard, nf4_from_parts, nf4_parts, plain_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -229,7 +229,8 @@ def peft_adapter_config(model: nn.Module, base_model_name_or_path: str | None = 
                         task_type: str = "CAUSAL_LM") -> dict[str, Any]:
     """PEFT's ``LoraConfig`` fields for the adapters in ``model`` (one rank and alpha for all).
 
-    ``target_modules`` are the last name parts of the adapted layers (``q_proj``, ...).
+    ``target_modules`` are the last name parts of the adapted layers (``q_proj``, ...) when those
+    pick exactly the adapted layers, else their full names (adapters on some layers only).
     Raises ValueError when there are no adapters, when layers differ in rank or alpha (PEFT's
     ``rank_pattern`` is not written), or when they use dropout different from each other.
     """
@@ -244,6 +245,8 @@ def peft_adapter_config(model: nn.Module, base_model_name_or_path: str | None = 
         raise ValueError(f"export needs one dropout for all adapters, found {sorted(dropouts)}")
     (rank, alpha), = ranks
     targets = sorted({name.rpartition(".")[2] for name in loras})
+    if {n for n, _ in model.named_modules() if names_a_target(n, targets)} != set(loras):
+        targets = sorted(loras)  # PEFT and apply_lora match a full name exactly
     return {
         "peft_type": "LORA",
         "task_type": task_type,

@@ -48,9 +48,9 @@ def tiny_model(family: str, seed: int = 0, tie_word_embeddings: bool = False):
     return cls(config).float().eval()
 
 
-def qlora(model):
+def qlora(model, target_modules=None):
     torch.manual_seed(1)  # adapter init draws from the global generator
-    apply_lora(model, rank=4, alpha=8)
+    apply_lora(model, **({"target_modules": target_modules} if target_modules else {}), rank=4, alpha=8)
     with torch.no_grad():  # non-zero B so the adapters change the output from step 0
         for m in hf.lora_modules(model).values():
             m.lora_b.normal_(0, 0.02)
@@ -308,6 +308,31 @@ def test_packed_nf4_save_pretrained_round_trips_bit_exactly(tmp_path, family, ti
     # transformers' own loader sees codes where floats belong and refuses, loudly
     with pytest.raises(RuntimeError, match="mismatched_sizes"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_adapters_on_some_layers_round_trip_and_load_in_peft(tmp_path):
+    """A regular expression put adapters on layer 1 only: the files name exactly those layers."""
+    model = qlora(tiny_model("llama"), target_modules=r"model\.layers\.1\..*_proj")
+    adapted = set(hf.lora_modules(model))
+    assert adapted and all(name.startswith("model.layers.1.") for name in adapted)
+    ids = batch(3)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    hf.save_pretrained(model, tmp_path / "packed", nf4="packed")
+    loaded = hf.from_pretrained(tmp_path / "packed", attn_implementation="eager")
+    assert set(hf.lora_modules(loaded)) == adapted
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, before, rtol=0, atol=0)
+
+    hf.save_pretrained(model, tmp_path / "base")
+    hf.export_peft_adapters(model, tmp_path / "adapters")
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
+    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
+    theirs = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules()
+              if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert theirs == adapted
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, before, rtol=0, atol=1e-5)
 
 
 def test_packed_nf4_refusals_say_what_to_do(tmp_path):

@@ -92,7 +92,9 @@ def _frozen(param: torch.Tensor) -> nn.Parameter:
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
 
 
-def _matches(name: str, targets: Sequence[str]) -> bool:
+def names_a_target(name: str, targets: Sequence[str]) -> bool:
+    """Whether the module called ``name`` is picked by ``target_modules=targets`` given as a list:
+    the name is one of them or ends with ``"." + target``."""
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
@@ -116,8 +118,8 @@ def _targeted(model: nn.Module, target_modules: Sequence[str] | str) -> list[tup
         except re.error:
             pattern = None
         return [(n, m) for n, m in named if (pattern is not None and pattern.fullmatch(n))
-                or _matches(n, (target_modules,))]
-    return [(n, m) for n, m in named if _matches(n, target_modules)]
+                or names_a_target(n, (target_modules,))]
+    return [(n, m) for n, m in named if names_a_target(n, target_modules)]
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
