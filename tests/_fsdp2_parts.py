@@ -339,6 +339,21 @@ def _part_requires_grad_changed_after_sharding():
                 "block_unchanged": all(torch.equal(before[n], p.full_tensor()) for n, p in block.named_parameters()),
                 "grads_of_block": grads_of_block,
                 "local": {k: v.to_local().clone() for k, v in model.state_dict().items()}}
+    # a bf16 model: a block frozen at sharding keeps bf16 shards (the frozen rule) where the others get
+    # float32 masters; unfrozen later, it trains in bf16, and fully_shard says so once
+    import warnings
+
+    model = Llama(_config(), seed=0).to(torch.bfloat16)
+    model.layers[0].requires_grad_(False)
+    _shard_llama(model, fully_shard)
+    model.layers[0].requires_grad_(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            batch = shard_batch(global_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ, step=step), rank, world)
+            model(batch).loss.backward()
+    out["unfrozen_bf16"] = {"warnings": [str(w.message) for w in caught if "frozen when sharded" in str(w.message)],
+                            "dtypes": (model.layers[0].attention.wq.weight.dtype, model.layers[1].attention.wq.weight.dtype)}
     return out
 
 

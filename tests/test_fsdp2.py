@@ -278,6 +278,13 @@ def test_a_block_frozen_after_sharding_gets_no_gradient(extras):
     assert unfrozen["grads_of_block"] == [0, blocks_params, blocks_params] and not unfrozen["block_unchanged"]
 
 
+def test_a_bf16_block_frozen_when_sharded_and_trained_later_is_said_once(extras):
+    unfrozen = extras["unfrozen_bf16"]
+    assert unfrozen["dtypes"] == (torch.bfloat16, torch.float32)  # frozen rule kept; the others fp32 masters
+    assert len(unfrozen["warnings"]) == 1 and "layers.0" in unfrozen["warnings"][0]
+    assert "Unfreeze them before fully_shard" in unfrozen["warnings"][0]
+
+
 @pytest.mark.parametrize("case", ["freeze", "unfreeze"])
 def test_requires_grad_changed_after_sharding_matches_torch(extras, case, torch_fsdp2_reference):
     ours, theirs = extras[f"requires_grad_{case}_ours"], extras[f"requires_grad_{case}_torch"]

@@ -178,6 +178,8 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[
         trainable = p.requires_grad and not hasattr(p, "fsdp_pre_all_gather") and not hasattr(p, "fsdp_shard")
         fsdp_params.append(FSDPParam(data, infos, mesh, device, param_dtypes(mp_policy, p.dtype, trainable),
                                      offload, getattr(offload_policy, "pin_memory", False)))
+        if not trainable and p.is_floating_point():  # unfrozen later, it should have trained in this dtype
+            fsdp_params[-1].trained_master_dtype = param_dtypes(mp_policy, p.dtype, True).master
         _CLAIMED[p] = type(modules[0]).__name__
     for fsdp_param in fsdp_params:
         fsdp_param.to_sharded()

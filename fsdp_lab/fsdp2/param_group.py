@@ -23,6 +23,8 @@ to SHARDED after an interrupted step.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -187,6 +189,22 @@ class FSDPParamGroup:
             fsdp_param.to_unsharded()
             index += count
         self.sharded_state = ShardedState.UNSHARDED
+        if any(p.trained_master_dtype is not None and p.requires_grad for p in self.fsdp_params):
+            self._warn_trained_in_frozen_dtype()
+
+    def _warn_trained_in_frozen_dtype(self) -> None:
+        """Once per parameter: it was frozen at ``fully_shard`` (so its shard kept the frozen
+        rule's dtype) and trains now, in that dtype rather than ``main_params_dtype``'s."""
+        late = [p for p in self.fsdp_params if p.trained_master_dtype is not None and p.requires_grad]
+        narrower = [(p.dtypes.master, p.trained_master_dtype) for p in late if p.trained_master_dtype != p.dtypes.master]
+        for p in late:
+            p.trained_master_dtype = None
+        if narrower:
+            (kept, wanted), where = narrower[0], self.name or "the root module"
+            warnings.warn(
+                f"{len(narrower)} parameters of the fully_shard group {where} were frozen when sharded, so their "
+                f"shards kept {kept}; trained now, they update in {kept}, not in main_params_dtype's {wanted}. "
+                "Unfreeze them before fully_shard to train them in it", stacklevel=2)
 
     def reshard(self) -> None:
         """Point modules back at the sharded parameters and free the unsharded storage."""
