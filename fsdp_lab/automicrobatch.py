@@ -133,7 +133,7 @@ class AutoMicrobatch:
                  start: int | None = None, *, min_microbatch: int = 1,
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, stable_steps: int = 3,
                  detect_thrashing: bool = True):
-        check_model_and_optimizer("AutoMicrobatch", model, optimizer)
+        check_model_and_optimizer("AutoMicrobatch", model, optimizer, required=True)
         for name, value in (("global_batch_size", global_batch_size), ("min_microbatch", min_microbatch)):
             check_positive_int(name, value)
         check_bool("detect_thrashing", detect_thrashing)

@@ -20,11 +20,15 @@ def check_positive_int(field: str, value: Any) -> None:
         raise ValueError(f"{field} must be a positive int, got {value!r}")
 
 
-def check_model_and_optimizer(owner: str, model: Any, optimizer: Any) -> None:
-    """Raise TypeError, naming the fix, unless ``model`` is a module (or None) and ``optimizer``
-    an optimizer (or None): the two passed in each other's place is the usual slip."""
+def check_model_and_optimizer(owner: str, model: Any, optimizer: Any, *, required: bool = False) -> None:
+    """Raise TypeError, naming the fix, unless ``model`` is a module and ``optimizer`` an
+    optimizer (either may be None unless ``required``): the two passed in each other's place is
+    the usual slip."""
     import torch
 
+    if required and (model is None or optimizer is None):
+        raise TypeError(f"{owner} needs a model and an optimizer, got model={type(model).__name__}, "
+                        f"optimizer={type(optimizer).__name__}")
     if model is not None and not isinstance(model, torch.nn.Module):
         hint = (f" (an optimizer: pass the model first, {owner}(model, optimizer, ...))"
                 if isinstance(model, torch.optim.Optimizer) else "")

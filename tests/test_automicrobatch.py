@@ -287,6 +287,8 @@ def test_bad_arguments():
         AutoMicrobatch(model, opt, 8, detect_thrashing="no")
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got SGD \(an optimizer: pass the model first"):
         AutoMicrobatch(opt, model, 8)
+    with pytest.raises(TypeError, match="AutoMicrobatch needs a model and an optimizer, got model=Linear, optimizer=NoneType"):
+        AutoMicrobatch(model, None, 8)
     with pytest.raises(ValueError, match="positive"):
         with memory_budget(0):
             pass
