@@ -175,11 +175,14 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[
     fsdp_params = []
     for p, infos in found.items():
         data = p if p.device == device or p.is_meta else p.to(device)  # meta: shards on meta until to_empty
-        trainable = p.requires_grad and not hasattr(p, "fsdp_pre_all_gather") and not hasattr(p, "fsdp_shard")
-        fsdp_params.append(FSDPParam(data, infos, mesh, device, param_dtypes(mp_policy, p.dtype, trainable),
-                                     offload, getattr(offload_policy, "pin_memory", False)))
-        if not trainable and p.is_floating_point():  # unfrozen later, it should have trained in this dtype
-            fsdp_params[-1].trained_master_dtype = param_dtypes(mp_policy, p.dtype, True).master
+        extension = hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_shard")  # never trained
+        trainable = p.requires_grad and not extension
+        fsdp_param = FSDPParam(data, infos, mesh, device, param_dtypes(mp_policy, p.dtype, trainable),
+                               offload, getattr(offload_policy, "pin_memory", False))
+        if not (trainable or extension) and p.is_floating_point():  # frozen: if unfrozen later, narrower?
+            wanted = param_dtypes(mp_policy, p.dtype, True).master
+            fsdp_param.trained_master_dtype = wanted if wanted != fsdp_param.dtypes.master else None
+        fsdp_params.append(fsdp_param)
         _CLAIMED[p] = type(modules[0]).__name__
     for fsdp_param in fsdp_params:
         fsdp_param.to_sharded()

@@ -117,7 +117,8 @@ class FSDPParam:
         self.rank, self.world_size = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
         self.orig_size, self.orig_dtype = param.shape, param.dtype
         self._initially_requires_grad = param.requires_grad
-        self.trained_master_dtype: torch.dtype | None = None  # set by fully_shard for a frozen parameter
+        # set by fully_shard when frozen in a narrower master dtype than training would give it
+        self.trained_master_dtype: torch.dtype | None = None
         self.dtypes = dtypes or ParamDtypes(*(param.dtype,) * 5)
         # (local_rows, *orig_size[1:]) in dtypes.accumulation; only when that is not dtypes.master
         self._sharded_main_grad: torch.Tensor | None = None

@@ -107,6 +107,8 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.name = name
+        # frozen when sharded, in a narrower master dtype than training would give: said once if trained
+        self._frozen_narrower = [p for p in fsdp_params if p.trained_master_dtype is not None]
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: _AllGather | None = None  # in flight while GATHERING
 
@@ -189,22 +191,21 @@ class FSDPParamGroup:
             fsdp_param.to_unsharded()
             index += count
         self.sharded_state = ShardedState.UNSHARDED
-        if any(p.trained_master_dtype is not None and p.requires_grad for p in self.fsdp_params):
+        if self._frozen_narrower:  # empty unless fully_shard saw frozen parameters of a narrower shard
             self._warn_trained_in_frozen_dtype()
 
     def _warn_trained_in_frozen_dtype(self) -> None:
         """Once per parameter: it was frozen at ``fully_shard`` (so its shard kept the frozen
         rule's dtype) and trains now, in that dtype rather than ``main_params_dtype``'s."""
-        late = [p for p in self.fsdp_params if p.trained_master_dtype is not None and p.requires_grad]
-        narrower = [(p.dtypes.master, p.trained_master_dtype) for p in late if p.trained_master_dtype != p.dtypes.master]
-        for p in late:
-            p.trained_master_dtype = None
-        if narrower:
-            (kept, wanted), where = narrower[0], self.name or "the root module"
-            warnings.warn(
-                f"{len(narrower)} parameters of the fully_shard group {where} were frozen when sharded, so their "
-                f"shards kept {kept}; trained now, they update in {kept}, not in main_params_dtype's {wanted}. "
-                "Unfreeze them before fully_shard to train them in it", stacklevel=2)
+        late = [p for p in self._frozen_narrower if p.requires_grad]
+        if not late:
+            return
+        self._frozen_narrower = [p for p in self._frozen_narrower if not p.requires_grad]
+        kept, wanted, where = late[0].dtypes.master, late[0].trained_master_dtype, self.name or "the root module"
+        warnings.warn(
+            f"{len(late)} parameters of the fully_shard group {where} were frozen when sharded, so their shards "
+            f"kept {kept}; trained now, they update in {kept}, not in main_params_dtype's {wanted}. Unfreeze "
+            "them before fully_shard to train them in it", stacklevel=2)
 
     def reshard(self) -> None:
         """Point modules back at the sharded parameters and free the unsharded storage."""
