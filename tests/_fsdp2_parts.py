@@ -55,6 +55,23 @@ def _run_parts(parts) -> dict:
     return out
 
 
+def _local_state(model) -> dict:
+    """This rank's shard of every entry of a sharded model's state dict, copied."""
+    return {k: v.to_local().clone() for k, v in model.state_dict().items()}
+
+
+def _fully_shard_implementations() -> list:
+    """[(name, fully_shard)]: ours, and PyTorch's where it runs on CPU ranks."""
+    from fsdp_lab.fsdp2 import fully_shard
+    from _torch_reference import TORCH_FSDP2_ON_CPU
+
+    impls = [("ours", fully_shard)]
+    if TORCH_FSDP2_ON_CPU:
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+        impls.append(("torch", torch_fully_shard))
+    return impls
+
+
 def _full_params(model):
     from fsdp_lab.fsdp2 import get_full_state_dict
 
@@ -160,7 +177,7 @@ def _part_vs_torch():
         for impl, fs, mp in [("ours", fully_shard, ours_mp), ("torch", torch_fully_shard, torch_mp)]:
             model = _shard_llama(Llama(_config(), seed=0), fs, mp_policy=mp)
             losses = _train(model, dist.get_rank(), dist.get_world_size())
-            local = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+            local = _local_state(model)
             out[f"vs_torch_{name}_{impl}"] = {"losses": losses, "local": local}
     return out
 
@@ -178,7 +195,7 @@ def _part_dcp():
     path = [tempfile.mkdtemp(prefix="fsdp2_dcp_") if rank == 0 else None]
     dist.broadcast_object_list(path, src=0)
     dcp.save(model.state_dict(), checkpoint_id=path[0])
-    saved = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    saved = _local_state(model)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.5)
@@ -307,13 +324,9 @@ def _part_requires_grad_changed_after_sharding():
     import torch.distributed as dist
 
     from fsdp_lab.fsdp2 import fully_shard
-    from _torch_reference import TORCH_FSDP2_ON_CPU
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    impls = [("ours", fully_shard)]
-    if TORCH_FSDP2_ON_CPU:
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-        impls.append(("torch", torch_fully_shard))
+    impls = _fully_shard_implementations()
     out = {}
     for case in ("freeze", "unfreeze"):
         for impl, fs in impls:
@@ -338,7 +351,7 @@ def _part_requires_grad_changed_after_sharding():
             out[f"requires_grad_{case}_{impl}"] = {
                 "block_unchanged": all(torch.equal(before[n], p.full_tensor()) for n, p in block.named_parameters()),
                 "grads_of_block": grads_of_block,
-                "local": {k: v.to_local().clone() for k, v in model.state_dict().items()}}
+                "local": _local_state(model)}
     # a bf16 model: a block frozen at sharding keeps bf16 shards (the frozen rule) where the others get
     # float32 masters; unfrozen later, it trains in bf16, and fully_shard says so once
     import warnings
@@ -372,18 +385,12 @@ def _part_two_forwards_one_backward():
     """Ours (and PyTorch's fully_shard where it runs on CPU) through ``two_forwards_one_backward``."""
     import torch.distributed as dist
 
-    from fsdp_lab.fsdp2 import fully_shard
-    from _torch_reference import TORCH_FSDP2_ON_CPU
-
-    impls = [("ours", fully_shard)]
-    if TORCH_FSDP2_ON_CPU:
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-        impls.append(("torch", torch_fully_shard))
+    impls = _fully_shard_implementations()
     out = {}
     for impl, fs in impls:
         model = _shard_llama(Llama(_config(), seed=0), fs)
         two_forwards_one_backward(model, dist.get_rank(), dist.get_world_size())
-        out[f"two_forwards_{impl}"] = {"local": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+        out[f"two_forwards_{impl}"] = {"local": _local_state(model),
                                        "full": _full_params(model) if impl == "ours" else None}
     return out
 
