@@ -85,23 +85,22 @@ class FlatGrad:
         self.buffer: torch.Tensor | None = None      # (padded_numel,) accumulation dtype; kept across no_sync
         self.pending: dict[int, torch.Tensor] = {}   # concat mode: index -> (numel,) accumulation dtype
         self.arrived: set[int] = set()               # parameters whose gradient arrived this backward
-        self.expected = 0                            # how many this backward waits for (0: not armed)
+        self.expected = 0                            # how many this backward waits for (0: until one arrives)
         self.in_flight: ReduceScatter | None = None
 
     # --- arrival ----------------------------------------------------------------------------------
     def expect(self, leaves: list[torch.Tensor], on_ready: Callable[[], None]) -> None:
-        """Hook every leaf (one per parameter, in layout order); call ``on_ready()`` once all
-        have their gradient. ``on_ready`` must hold its owner weakly: the leaves' hooks keep
-        it alive as long as the leaves live."""
-        self.arrived, self.expected = set(), len(leaves)
+        """Hook every leaf (one per parameter, in layout order); in each backward, call
+        ``on_ready()`` once all have their gradient. ``on_ready`` must hold its owner weakly: the
+        leaves' hooks keep it alive as long as the leaves live."""
         for index, leaf in enumerate(leaves):
             leaf.register_post_accumulate_grad_hook(functools.partial(self._arrive, index, on_ready))
 
     def _arrive(self, index: int, on_ready: Callable[[], None], leaf: torch.Tensor) -> None:
         grad = leaf.grad.reshape(-1)
         leaf.grad = None
-        if self.expected == 0:  # a further backward through a graph that gave its gradients already
-            self.arrived, self.expected = set(), len(self.layout.infos)  # (retain_graph, a second loss)
+        if self.expected == 0:  # the backward's first gradient here (also through a kept graph)
+            self.arrived, self.expected = set(), len(self.layout.infos)
         self._add(index, grad)
         if len(self.arrived) == self.expected:
             self.expected = 0  # ready once per backward
