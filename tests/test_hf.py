@@ -57,6 +57,14 @@ def qlora(model, target_modules=None):
     return model
 
 
+PROMPT = torch.tensor([[1, 5, 9, 3, 77, 12]])
+
+
+def greedy(model):
+    """Six new tokens by greedy search (``generate`` runs under ``torch.no_grad``)."""
+    return model.generate(PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
 def batch(step: int, rank: int = 0, world: int = 1):
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
@@ -109,6 +117,7 @@ def _rank_suite():
         del probe
         losses = train(model, rank, world)
         out[(family, "fsdp2")] = (losses, {n: _full(p) for n, p in model.named_parameters()})
+        out[(family, "fsdp2", "generate")] = greedy(model)
 
         # FSDP1 FULL_SHARD, one unit per decoder layer
         model = tiny_model(family)
@@ -119,6 +128,16 @@ def _rank_suite():
         with FullyShardedDataParallel.summon_full_params(model):
             params = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
         out[(family, "fsdp1")] = (losses, params)
+        # generate() is not the root's forward: its own parameters must be whole around it;
+        # with recurse=True the nested units run on the summoned parameters as they are
+        for recurse in (False, True):
+            with FullyShardedDataParallel.summon_full_params(model, recurse=recurse, writeback=False):
+                out[(family, "fsdp1", "generate", recurse)] = greedy(model.module)
+        if family == FAMILIES[0]:
+            out["fsdp1 summon refusals"] = _summon_refusals(model, rank)
+            model = FullyShardedDataParallel(qlora(tiny_model(family)), auto_wrap_policy=ModuleWrapPolicy({layer_cls}))
+            with FullyShardedDataParallel.summon_full_params(model, writeback=False):  # whole NF4 weights
+                out[(family, "qlora-fsdp1", "generate")] = greedy(model.module)
 
         # QLoRA under FSDP2
         model = qlora(tiny_model(family))
@@ -127,7 +146,27 @@ def _rank_suite():
         fully_shard(model)
         losses = train(model, rank, world)
         out[(family, "qlora")] = (losses, {n: _full(p) for n, p in model.named_parameters() if p.requires_grad})
+        out[(family, "qlora", "generate")] = greedy(model)
     return out if rank == 0 else None
+
+
+def _summon_refusals(model, rank: int) -> list[str]:
+    """What a forward inside summon_full_params refuses: a forward with gradients (nothing would
+    reach the shards) and, under rank0_only, any rank but 0 (its parameters stay sharded)."""
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel
+
+    messages = []
+    for kwargs, grad in (({}, True), ({"rank0_only": True, "writeback": False}, False)):
+        with FullyShardedDataParallel.summon_full_params(model, **kwargs), torch.set_grad_enabled(grad):
+            try:
+                model(input_ids=PROMPT)
+                messages.append("ran")
+            except RuntimeError as e:
+                messages.append(str(e))
+    import torch.distributed as dist
+    gathered = [None, None]
+    dist.all_gather_object(gathered, messages)
+    return gathered
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +181,12 @@ def references():
         model = tiny_model(family)
         losses = train(model)
         out[(family, "plain")] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+        out[(family, "plain", "generate")] = greedy(model)
         model = qlora(tiny_model(family))
         losses = train(model)
         out[(family, "qlora")] = (losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        out[(family, "qlora", "generate")] = greedy(model)
+    out[(FAMILIES[0], "qlora-untrained", "generate")] = greedy(qlora(tiny_model(FAMILIES[0])))
     return out
 
 
@@ -157,6 +199,30 @@ def test_training_matches_one_process(suite, references, family, kind):
     assert params.keys() == ref_params.keys()
     for name, ref in ref_params.items():
         torch.testing.assert_close(params[name], ref, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", (("fsdp2",), ("fsdp1", False), ("fsdp1", True), ("qlora",)),
+                         ids=("fsdp2", "fsdp1-root-summoned", "fsdp1-all-summoned", "qlora"))
+def test_generate_after_training_matches_one_process(suite, references, family, kind):
+    reference = references[(family, "qlora" if kind == ("qlora",) else "plain", "generate")]
+    got = suite[(family, kind[0], "generate", *kind[1:])]
+    assert got.shape == (1, PROMPT.shape[1] + 6)
+    assert got.tolist() == reference.tolist()
+
+
+def test_forward_inside_summon_full_params_refuses_what_cannot_be_right(suite):
+    on_rank0, on_rank1 = suite["fsdp1 summon refusals"]
+    assert "forward with gradients inside summon_full_params" in on_rank0[0] and "torch.no_grad()" in on_rank0[0]
+    assert on_rank0[0] == on_rank1[0]
+    assert on_rank0[1] == "ran"  # rank0_only: rank 0 holds the whole parameters
+    assert "rank0_only=True" in on_rank1[1] and "sharded" in on_rank1[1]
+
+
+def test_generate_with_qlora_under_fsdp1_matches_one_process(suite, references):
+    family = FAMILIES[0]
+    got = suite[(family, "qlora-fsdp1", "generate")]
+    assert got.tolist() == references[(family, "qlora-untrained", "generate")].tolist()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -194,6 +194,7 @@ class ShardedUnit(nn.Module):
         self.__dict__["_root_ref"] = None  # weak: the root holds its units, not the other way round
         self.__dict__["_root_state"] = None  # only on the root
         self.training_state = TrainingState.IDLE
+        self._summoned_whole = False  # inside summon_full_params with this rank's parameters whole
         # one token per tracked forward whose input gradients have not come back; only that
         # forward's graph holds it, so a graph dropped without backward (an evaluation with grad
         # on, a recomputation's) leaves the set by itself
@@ -235,6 +236,8 @@ class ShardedUnit(nn.Module):
     def forward(self, *args, **kwargs):
         if self._root is None:
             self._lazy_init_root()
+        if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
+            return self._forward_summoned(args, kwargs)
         policy = self.mixed_precision
         if self is self._root and policy.cast_root_forward_inputs or policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
@@ -242,6 +245,20 @@ class ShardedUnit(nn.Module):
         output = self._fsdp_wrapped_module(*args, **kwargs)
         self._post_forward(output)
         return output
+
+    def _forward_summoned(self, args, kwargs):
+        """A forward inside ``summon_full_params`` (e.g. ``model.module.generate()`` there): the
+        parameters are already whole in the master dtype, so run the module on them as they are,
+        with nothing gathered, freed or cast. Raises RuntimeError where that cannot be right."""
+        if not self._summoned_whole:
+            raise RuntimeError(f"{self._name}: forward inside summon_full_params(rank0_only=True) on a rank "
+                               f"other than 0, whose parameters stay sharded; run the model on rank 0 only, "
+                               f"or summon with rank0_only=False")
+        if torch.is_grad_enabled() and any(h.requires_grad for h in self._handles):
+            raise RuntimeError(f"{self._name}: a forward with gradients inside summon_full_params: the whole "
+                               f"parameters there are a temporary copy, so no gradient would reach the shards. "
+                               f"Run it under torch.no_grad() (as generate() does), or outside the block to train")
+        return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _unshard(self) -> None:
         """Issue the all-gathers of this unit's flat parameters (asynchronous)."""

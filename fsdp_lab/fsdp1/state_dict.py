@@ -54,7 +54,9 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
     ``offload_to_cpu``: the full parameters live in host memory. ``with_grads``: ``.grad``
     gets the full shape too (None where no rank has a gradient). On exit, with ``writeback``,
     this rank's part of each (possibly modified) full tensor goes back into the shard; then the
-    parameters are 1-D shard views again, also when the block or a gather raises.
+    parameters are 1-D shard views again, also when the block or a gather raises. A forward of
+    a summoned unit inside the block runs on the whole parameters as they are (``generate()``
+    on ``model.module``), only without gradients and where this rank holds them whole.
 
     Raises RuntimeError during backward, NotImplementedError for writeback with rank0_only
     and with_grads with offload_to_cpu (as PyTorch), or from a flat parameter that cannot be
@@ -73,6 +75,8 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
         for unit in units:
             unit.training_state = TrainingState.SUMMON_FULL_PARAMS
             stack.callback(setattr, unit, "training_state", TrainingState.IDLE)
+            unit._summoned_whole = materialize
+            stack.callback(setattr, unit, "_summoned_whole", False)
             for handle in unit._handles:
                 stack.enter_context(handle.full_params(writeback=writeback, offload_to_cpu=offload_to_cpu,
                                                        with_grads=with_grads, materialize=materialize))
