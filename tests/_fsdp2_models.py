@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.models.data import global_batch, shard_batch
-from fsdp_lab.models.llama import LlamaConfig
+from fsdp_lab.models.llama import Llama, LlamaConfig
 
 STEPS = 5
 GLOBAL_BATCH, SEQ = 4, 16
@@ -217,3 +217,36 @@ def _shard_llama(model, fully_shard, tied=False, **kwargs):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+class EnergyLlama(Llama):
+    """The test Llama with a second entry point that uses the root's own parameters
+    (embedding, final norm) without calling ``forward``."""
+
+    def hidden_energy(self, input_ids):
+        cos, sin = self.rope_cos[:input_ids.shape[1]], self.rope_sin[:input_ids.shape[1]]
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h).pow(2).mean()
+
+
+def _train_two_entry_points(model, rank, world, steps=3):
+    """Each step: ``hidden_energy`` plus the language-model loss, one backward."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        batch = shard_batch(global_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ, step=step), rank, world)
+        (model.hidden_energy(batch.input_ids) + model(batch).loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def two_forwards_one_backward(model, rank, world, steps=3):
+    """Each step: the losses of two batches summed, one backward (a module's backward runs twice)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        first, second = (shard_batch(global_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ, step=s), rank, world)
+                         for s in (step, step + steps))
+        (model(first).loss + model(second).loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()

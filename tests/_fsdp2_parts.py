@@ -18,7 +18,7 @@ from fsdp_lab.states import ShardedState
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, apply_activation_checkpointing
 
-from _fsdp2_models import (EPS, GLOBAL_BATCH, LR, SEQ, Uneven, _config, _freeze, _quantized_model, _shard_llama,
+from _fsdp2_models import (GLOBAL_BATCH, SEQ, Uneven, _config, _freeze, _quantized_model, _shard_llama,
                            _train, _train_quantized, _train_step_by_step)
 
 
@@ -38,7 +38,8 @@ def _rank_suite():
     out = _run_parts(parts)
     if world == 2:
         out["extras"] = _run_parts([_part_memory, _part_prefetch_order, _part_unshard_api, _part_bad_inputs,
-                                    _part_requires_grad_changed_after_sharding, _part_two_forwards_one_backward])
+                                    _part_requires_grad_changed_after_sharding, _part_two_forwards_one_backward,
+                                    _part_forward_method])
     return out if rank == 0 else {"losses_by_config": {k: v["losses"] for k, v in out.items()
                                                        if isinstance(v, dict) and "losses" in v}}
 
@@ -370,20 +371,11 @@ def _part_requires_grad_changed_after_sharding():
     return out
 
 
-def two_forwards_one_backward(model, rank, world, steps=3):
-    """Each step: the losses of two batches summed, one backward (a module's backward runs twice)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    for step in range(steps):
-        first, second = (shard_batch(global_batch(model.config.vocab_size, GLOBAL_BATCH, SEQ, step=s), rank, world)
-                         for s in (step, step + steps))
-        (model(first).loss + model(second).loss).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 def _part_two_forwards_one_backward():
     """Ours (and PyTorch's fully_shard where it runs on CPU) through ``two_forwards_one_backward``."""
     import torch.distributed as dist
+
+    from _fsdp2_models import two_forwards_one_backward
 
     impls = _fully_shard_implementations()
     out = {}
@@ -392,6 +384,31 @@ def _part_two_forwards_one_backward():
         two_forwards_one_backward(model, dist.get_rank(), dist.get_world_size())
         out[f"two_forwards_{impl}"] = {"local": _local_state(model),
                                        "full": _full_params(model) if impl == "ours" else None}
+    return out
+
+
+def _part_forward_method():
+    """A method other than forward, registered with register_fsdp_forward_method, ours and PyTorch's."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import register_fsdp_forward_method
+    from _fsdp2_models import EnergyLlama, _train_two_entry_points
+
+    out = {}
+    for impl, fs in _fully_shard_implementations():
+        model = _shard_llama(EnergyLlama(_config(), seed=0), fs)
+        register = register_fsdp_forward_method
+        if impl == "torch":
+            from torch.distributed.fsdp import register_fsdp_forward_method as register
+        register(model, "hidden_energy")
+        _train_two_entry_points(model, dist.get_rank(), dist.get_world_size())
+        out[f"forward_method_{impl}"] = {"local": _local_state(model),
+                                         "full": _full_params(model) if impl == "ours" else None}
+        alive = weakref.ref(model)
+        del model
+        out[f"forward_method_{impl}_freed_without_collector"] = alive() is None
     return out
 
 
@@ -453,6 +470,10 @@ def _part_bad_inputs():
     def mixed_trainable_dtypes():
         two_dtypes()
 
+    def no_such_forward_method():
+        from fsdp_lab.fsdp2 import register_fsdp_forward_method
+        register_fsdp_forward_method(fully_shard(nn.Linear(4, 4)), "generate")
+
     def other_dtype_frozen():  # fine: only gradients share a buffer
         two_dtypes(freeze_double=True)
 
@@ -462,7 +483,7 @@ def _part_bad_inputs():
     out["errors"] = {}
     for fn in (tied_separately, twice, mixed_devices, mesh_mismatch, integer_param, int_reshard,
                string_gradient_sync, int_reshard_after_backward, mixed_trainable_dtypes,
-               other_dtype_frozen, other_dtype_sharded_apart):
+               other_dtype_frozen, other_dtype_sharded_apart, no_such_forward_method):
         try:
             fn()
             out["errors"][fn.__name__] = None

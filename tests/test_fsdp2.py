@@ -14,7 +14,7 @@ import torch
 import fsdp_lab
 from fsdp_lab.models.llama import Llama, LlamaConfig
 
-from _fsdp2_models import CONFIG, STEPS, Uneven, _config, _freeze, _plain_quantized_model, _train, _train_quantized
+from _fsdp2_models import CONFIG, STEPS, EnergyLlama, Uneven, _config, _freeze, _plain_quantized_model, _train, _train_quantized
 from _fsdp2_parts import _rank_suite
 from _torch_reference import needs_torch_fsdp2_on_cpu
 
@@ -233,7 +233,7 @@ def test_explicit_forward_prefetch_issues_next_layer_before_compute(extras):
     for i in range(3):
         assert log.index((f"layers.{i + 1}", True)) < log.index((f"compute.{i}", None))
     without = extras["order_explicit_False"]
-    assert (f"layers.1", True) not in without[:without.index(("backward", None))]
+    assert ("layers.1", True) not in without[:without.index(("backward", None))]
 
 
 def test_explicit_backward_prefetch_list_replaces_implicit(extras):
@@ -263,6 +263,7 @@ def test_public_unshard_and_reshard(extras):
     ("int_reshard_after_backward", "TypeError", "reshard_after_backward must be True or False, got 0"),
     ("mixed_trainable_dtypes", "ValueError",
      "groups trainable parameters of different dtypes (0.weight float32, 0.bias float32, 2.weight float64"),
+    ("no_such_forward_method", "ValueError", "FSDPLinear has no method 'generate'"),
 ])
 def test_bad_input_errors(extras, case, error, words):
     raised = extras["errors"][case]
@@ -292,8 +293,33 @@ def test_requires_grad_changed_after_sharding_matches_torch(extras, case, torch_
     assert _max_diff(ours["local"], theirs["local"]) <= TOL
 
 
+def test_registered_forward_method_trains_like_one_process(extras):
+    from _fsdp2_models import _train_two_entry_points
+
+    model = EnergyLlama(_config(), seed=0)
+    _train_two_entry_points(model, 0, 1)
+    assert _max_diff(extras["forward_method_ours"]["full"], model.state_dict()) <= TOL
+
+
+def test_registered_forward_method_matches_torch(extras, torch_fsdp2_reference):
+    assert _max_diff(extras["forward_method_ours"]["local"], extras["forward_method_torch"]["local"]) <= TOL
+
+
+def test_registered_forward_method_keeps_no_cycle(extras):
+    # PyTorch's stores a method bound to the module on the module itself: a cycle the collector frees
+    assert extras["forward_method_ours_freed_without_collector"]
+
+
+def test_register_forward_method_leaves_a_plain_module_alone():
+    from fsdp_lab.fsdp2 import register_fsdp_forward_method
+
+    model = EnergyLlama(_config(), seed=0)
+    register_fsdp_forward_method(model, "hidden_energy")  # no process group needed: nothing to do
+    assert "hidden_energy" not in model.__dict__
+
+
 def test_two_forwards_then_one_backward_matches_single_process(extras):
-    from _fsdp2_parts import two_forwards_one_backward
+    from _fsdp2_models import two_forwards_one_backward
 
     model = Llama(_config(), seed=0)
     two_forwards_one_backward(model, 0, 1)  # both batches whole, in one process

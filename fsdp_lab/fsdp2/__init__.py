@@ -7,7 +7,7 @@ subclasses that shard themselves). See docs/fsdp2.md.
 """
 
 from fsdp_lab.fsdp2.fully_shard import (CPUOffloadPolicy, FSDPModule, OffloadPolicy, UnshardHandle,
-                                        fully_shard)
+                                        fully_shard, register_fsdp_forward_method)
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.fsdp2.param_group import FSDPParamGroup
 from fsdp_lab.fsdp2.init import init_sharded
@@ -17,4 +17,5 @@ from fsdp_lab.precision import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
            "CPUOffloadPolicy", "FSDPParam", "FSDPParamGroup", "get_full_state_dict", "load_full_state_dict",
-           "full_tensor", "load_full_tensor", "init_sharded", "dcp_state_dict", "load_dcp_state_dict"]
+           "full_tensor", "load_full_tensor", "init_sharded", "dcp_state_dict", "load_dcp_state_dict",
+           "register_fsdp_forward_method"]

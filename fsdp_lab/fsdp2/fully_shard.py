@@ -24,6 +24,9 @@ the state they keep are in ``hooks.py``; this module builds the groups and the p
 
 from __future__ import annotations
 
+import functools
+import inspect
+import weakref
 from typing import Iterable
 
 import torch
@@ -38,7 +41,8 @@ from fsdp_lab.fsdp2.param_group import FSDPParamGroup
 from fsdp_lab.checks import check_bool
 from fsdp_lab.precision import MixedPrecisionPolicy, param_dtypes
 
-__all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "OffloadPolicy", "CPUOffloadPolicy", "UnshardHandle",
+           "register_fsdp_forward_method"]
 
 
 # Original parameter (by identity) -> the name of the module that sharded it. Catches a
@@ -294,6 +298,36 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """In backward, issue the all-gathers of ``modules`` (instead of the implicit next one)."""
         self._fsdp_state.backward_prefetch = _states_of(modules)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run like its forward (as PyTorch's function of that name):
+    the forward pre-hook (gather, prefetch, backward bookkeeping) before the method and the
+    post-hook (reshard, output cast) after it. For a method that uses the module's own
+    parameters without calling ``forward``. A module that is not an ``FSDPModule`` is left
+    alone (the same code runs with and without FSDP).
+
+    The patched method is an instance attribute that holds the module weakly, so dropping the
+    model frees it without the collector. Raises ValueError if the module has no such method.
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r} to register as a forward method")
+    own = module.__dict__.get(method_name)  # already an instance attribute (registered before)
+    unbound = inspect.getattr_static(type(module), method_name) if own is None else None
+    module_ref = weakref.ref(module)
+
+    @functools.wraps(own if own is not None else getattr(type(module), method_name))
+    def run_as_forward(*args, **kwargs):
+        owner = module_ref()
+        state = owner._fsdp_state
+        args, kwargs = state.pre_forward_hook(owner, args, kwargs)
+        method = own if own is not None else unbound.__get__(owner, type(owner))
+        output = method(*args, **kwargs)
+        return state.post_forward_hook(owner, args, kwargs, output)
+
+    setattr(module, method_name, run_as_forward)
 
 
 def _states_of(modules: Iterable) -> list["_FSDPState"]:
