@@ -255,6 +255,27 @@ class FlatParamHandle:
             collectives.all_gather_into_tensor(out, source, group=self.spec.group, meta={"module": self.unit_name})
         return out
 
+    def gather_param_shaped(self, parts: dict[int, torch.Tensor], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+        """Whole tensors of the parameters' shapes from parts laid out like the parameters on
+        each rank (``parts[i]`` has parameter i's local shape, e.g. its optimizer state): one
+        all-gather over the shard group; every rank must pass the same indices and dtype.
+        Returns full-shape views of one new gathered tensor, by index."""
+        flat = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.spec.device)
+        slices = self.local_slices()
+        for index, part in parts.items():
+            a, b = slices[index]
+            flat[a:b].copy_(part.reshape(-1))
+        full = self._gather(flat, dtype)
+        return {index: self.layout.full_view(full, index) for index in parts}
+
+    def local_part(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor shaped like parameter ``index`` (1-D, as the parameter's
+        ``.data``). Raises ValueError for a wrong shape."""
+        if tuple(whole.shape) != tuple(self.infos[index].shape):
+            raise ValueError(f"shape {tuple(whole.shape)} is not the parameter's {tuple(self.infos[index].shape)}")
+        start, end = self.layout.bounds[index]
+        return whole.reshape(-1)[start:end]
+
     def _local_grad(self) -> tuple[torch.Tensor, bool]:
         """This rank's flat sharded gradient (zeros where a parameter has none) and whether
         any rank of the shard group has a gradient at all."""

@@ -21,6 +21,7 @@ import torch.nn as nn
 from fsdp_lab import collectives
 from fsdp_lab.dist import current_device
 from fsdp_lab.fsdp1 import clip, groups
+from fsdp_lab.fsdp1 import optim_state
 from fsdp_lab.fsdp1 import state_dict as sd
 from fsdp_lab.fsdp1.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType, check_option_types
 from fsdp_lab.fsdp1.flat_grad import GRAD_ACCUMULATION_MODES, GradConfig
@@ -241,6 +242,20 @@ class FullyShardedDataParallel(ShardedUnit):
         finally:
             for unit, old in zip(units, before):
                 unit._state_dict_type = old
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+        """``optim``'s state keyed by parameter name, as PyTorch's: whole tensors (on CPU, every
+        rank), or inside ``state_dict_type(model, SHARDED_STATE_DICT)`` 1-D ShardedTensors for
+        ``torch.distributed.checkpoint``. Every rank calls it; see ``optim_state.optim_state_dict``
+        for what it raises."""
+        return optim_state.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
+        """This rank's ``optim.load_state_dict`` argument from ``optim_state_dict``'s output (saved
+        at any world size). Raises ValueError when it does not fit the optimizer or model."""
+        return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Full (default) or sharded state dict with original names; see ``state_dict.py``."""

@@ -1,0 +1,264 @@
+"""FSDP1 optimizer state by parameter name: whole, and sharded through DCP, across world sizes.
+
+One launch on 2 ranks trains the test Llama two steps under each strategy (and QLoRA adapters
+under FULL_SHARD), returns ``FSDP.optim_state_dict`` and saves it (whole with ``torch.save``,
+sharded with ``dcp.save``). Launches on 1 and 4 ranks load it into a fresh optimizer and take
+the third step. The reference is independent of the code under test: the same model trained in
+one process, whose optimizer state (by parameter name) and third step must come out the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_lab
+from fsdp_lab.models.data import global_batch, shard_batch
+from fsdp_lab.models.llama import Llama, LlamaConfig, TransformerBlock
+
+GLOBAL_BATCH, SEQ, TOL = 4, 16, 1e-6
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+CASES = STRATEGIES + ("qlora",)
+# (case, how it is saved and loaded): NO_SHARD's ranks hold copies, so it has no DCP form
+RESUMED = [(case, how) for case in CASES for how in ("whole", "dcp") if (case, how) != ("NO_SHARD", "dcp")]
+
+
+def _model(case):
+    model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
+    if case == "qlora":
+        from fsdp_lab.qlora import apply_lora
+
+        torch.manual_seed(1)  # the adapters' init draws from the global generator
+        apply_lora(model, rank=4, alpha=8, quantize_base=True)
+    return model
+
+
+def _optimizer(model):
+    """AdamW in two groups, no decay for norms (chosen by name: under FSDP1 every parameter is 1-D)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for n, p in trainable if "norm" not in n], "weight_decay": 0.1},
+                              {"params": [p for n, p in trainable if "norm" in n], "weight_decay": 0.0}],
+                             lr=1e-3, eps=1e-4)
+
+
+def _step(model, optimizer, step, rank=0, world=1):
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=step), rank, world)
+    model(batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _wrap(case):
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
+
+    strategy = "FULL_SHARD" if case == "qlora" else case
+    return FullyShardedDataParallel(_model(case), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                                    sharding_strategy=ShardingStrategy[strategy])
+
+
+def _full_params(model):
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# -- what the ranks run ---------------------------------------------------------------------------
+def _save_on_two_ranks(folder):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, StateDictType, dcp_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for case in CASES:
+        model = _wrap(case)
+        optimizer = _optimizer(model)
+        out[(case, "before any step")] = FSDP.optim_state_dict(model, optimizer)
+        for step in range(2):
+            _step(model, optimizer, step, rank, world)
+        whole = FSDP.optim_state_dict(model, optimizer)
+        out[case] = whole
+        model_state = model.state_dict()
+        if rank == 0:
+            torch.save({"model": model_state, "optim": whole}, f"{folder}/{case}.pt")
+        if case != "NO_SHARD":  # ranks holding copies have no sharded form (an error, tested below)
+            with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+                dcp.save({"model": dcp_state_dict(model), "optim": FSDP.optim_state_dict(model, optimizer)},
+                         checkpoint_id=f"{folder}/{case}.dcp")
+        fresh = _optimizer(model)  # the same ranks load what they saved
+        fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, whole))
+        _step(model, fresh, 2, rank, world)
+        out[(case, "resumed on 2")] = _full_params(model)
+    out["errors"] = _errors(f"{folder}/FULL_SHARD.dcp")
+    return out if rank == 0 else None
+
+
+def _resume(folder, case, how):
+    """A model of other weights loads the 2-rank checkpoint (``how``: "whole" or "dcp"), takes step 2."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+    from fsdp_lab.fsdp1 import dcp_state_dict, load_dcp_optim_state_dict, load_dcp_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _wrap(case)
+    optimizer = _optimizer(model)
+    if how == "whole":
+        saved = torch.load(f"{folder}/{case}.pt", weights_only=True)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, saved["optim"]))
+    else:
+        state = {"model": dcp_state_dict(model)}
+        dcp.load(state, checkpoint_id=f"{folder}/{case}.dcp")
+        load_dcp_state_dict(model, state["model"])
+        load_dcp_optim_state_dict(model, optimizer, f"{folder}/{case}.dcp")
+    _step(model, optimizer, 2, rank, world)
+    params = _full_params(model)
+    return params if rank == 0 else None
+
+
+def _resume_all(folder):
+    return {(case, how): _resume(folder, case, how) for case, how in RESUMED}
+
+
+def _errors(checkpoint: str) -> dict:
+    """What bad input raises, by case: (exception type, message), or None if nothing was raised."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, StateDictType
+
+    model = _wrap("FULL_SHARD")
+    optimizer = _optimizer(model)
+    _step(model, optimizer, 0, dist.get_rank(), dist.get_world_size())
+    whole = FSDP.optim_state_dict(model, optimizer)
+
+    def foreign_parameter():
+        FSDP.optim_state_dict(model, torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1))
+
+    def other_groups():
+        one_group = torch.optim.AdamW([p for p in model.parameters()], lr=1e-3)
+        FSDP.optim_state_dict_to_load(model, one_group, whole)
+
+    def other_model():
+        other = FSDP(Llama(LlamaConfig.from_name("cpu", n_layers=2, dim=64), seed=0))
+        bad = _optimizer(other)
+        bad.load_state_dict(FSDP.optim_state_dict_to_load(other, bad, whole))
+
+    def sharded_copies():
+        copies = _wrap("NO_SHARD")
+        with FSDP.state_dict_type(copies, StateDictType.SHARDED_STATE_DICT):
+            FSDP.optim_state_dict(copies, _optimizer(copies))
+
+    def model_of_copies():  # the parameters' own DCP form refuses copies too
+        from fsdp_lab.fsdp1 import dcp_state_dict
+        dcp_state_dict(_wrap("NO_SHARD"))
+
+    def ranks_differ():  # rank 1 steps SGD with momentum, rank 0 AdamW: other state keys
+        other = _wrap("FULL_SHARD")
+        opt = _optimizer(other) if dist.get_rank() == 0 else torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+        _step(other, opt, 0, dist.get_rank(), dist.get_world_size())
+        FSDP.optim_state_dict(other, opt)
+
+    def wrong_key():
+        from fsdp_lab.fsdp1 import load_dcp_optim_state_dict
+        load_dcp_optim_state_dict(model, optimizer, checkpoint, key="optimizer")
+
+    out = {}
+    for fn in (foreign_parameter, other_groups, other_model, sharded_copies, model_of_copies, ranks_differ,
+               wrong_key):
+        try:
+            fn()
+            out[fn.__name__] = None
+        except Exception as exc:  # noqa: BLE001 - the test reads type and message
+            out[fn.__name__] = (type(exc).__name__, str(exc))
+    return out
+
+
+# -- the host side --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("optim_state")
+    results = fsdp_lab.launch(_save_on_two_ranks, str(folder), world_size=2, timeout=300)[0]
+    return folder, results
+
+
+@pytest.fixture(scope="module")
+def resumed(saved):
+    folder, _ = saved
+    return {world: fsdp_lab.launch(_resume_all, str(folder), world_size=world, timeout=300)[0] for world in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """By case: the optimizer state after two steps by parameter name, its groups, and the
+    trainable parameters after the third step."""
+    out = {}
+    for case in CASES:
+        model = _model(case)
+        optimizer = _optimizer(model)
+        for step in range(2):
+            _step(model, optimizer, step)
+        names = {id(p): n for n, p in model.named_parameters()}
+        state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        _step(model, optimizer, 2)
+        out[case] = state, groups, group_names, {n: p.detach().clone() for n, p in model.named_parameters()
+                                                  if p.requires_grad}
+    return out
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_whole_state_equals_one_process_by_name(saved, one_process, case):
+    _, results = saved
+    state, groups, group_names, _ = one_process[case]
+    whole = results[case]
+    assert whole["state"].keys() == state.keys()
+    for name, entry in state.items():
+        assert whole["state"][name].keys() == entry.keys()
+        assert _max_diff(whole["state"][name], entry) <= TOL, name
+        assert whole["state"][name]["exp_avg"].shape == entry["exp_avg"].shape
+    assert [{k: v for k, v in g.items() if k != "params"} for g in whole["param_groups"]] == groups
+    assert [g["params"] for g in whole["param_groups"]] == group_names
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_fresh_optimizer_has_no_state_to_save(saved, case):
+    _, results = saved
+    assert results[(case, "before any step")]["state"] == {}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resuming_on_the_same_ranks_matches_one_process(saved, one_process, case):
+    _, results = saved
+    assert _max_diff(results[(case, "resumed on 2")], one_process[case][3]) <= TOL
+
+
+@pytest.mark.parametrize("world", (1, 4))
+@pytest.mark.parametrize("case,how", RESUMED)
+def test_resuming_on_another_world_size_matches_one_process(resumed, one_process, world, case, how):
+    assert _max_diff(resumed[world][(case, how)], one_process[case][3]) <= TOL
+
+
+@pytest.mark.parametrize("case,error,words", [
+    ("foreign_parameter", "ValueError", "is not a parameter of the model"),
+    ("other_groups", "ValueError", "the saved parameter groups name other parameters"),
+    ("other_model", "ValueError", "is not the parameter's"),
+    ("sharded_copies", "NotImplementedError", "NO_SHARD keeps copies"),
+    ("model_of_copies", "NotImplementedError", "NO_SHARD keeps copies"),
+    ("ranks_differ", "RuntimeError", "the ranks' optimizer states differ"),
+    ("wrong_key", "ValueError", "no optimizer state under 'optimizer'"),
+])
+def test_bad_input_names_the_problem(saved, case, error, words):
+    _, results = saved
+    raised = results["errors"][case]
+    assert raised is not None, f"{case} did not raise"
+    assert raised[0] == error and words in raised[1], raised

@@ -1,0 +1,168 @@
+"""FSDP2 optimizer state through PyTorch's own checkpoint APIs, across world sizes.
+
+FSDP2's parameters are DTensors, so the optimizer's state is too: ``optimizer.state_dict()``
+goes to ``torch.distributed.checkpoint`` as it is, and PyTorch's
+``torch.distributed.checkpoint.state_dict`` functions (``get_optimizer_state_dict`` /
+``set_optimizer_state_dict``) make it whole by parameter name. One launch on 2 ranks trains the
+test Llama (and QLoRA adapters) two steps and saves both forms; launches on 1 and 4 ranks load
+them and take the third step. The reference is independent of the code under test: the same
+model trained in one process (its optimizer state by name, and the third step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp_lab
+from fsdp_lab.models.data import global_batch, shard_batch
+from fsdp_lab.models.llama import Llama, LlamaConfig
+
+GLOBAL_BATCH, SEQ, TOL = 4, 16, 1e-6
+CASES = ("plain", "qlora")
+
+
+def _model(case):
+    model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
+    if case == "qlora":
+        from fsdp_lab.qlora import apply_lora
+
+        torch.manual_seed(1)
+        apply_lora(model, rank=4, alpha=8, quantize_base=True)
+    return model
+
+
+def _optimizer(model):
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for n, p in trainable if "norm" not in n], "weight_decay": 0.1},
+                              {"params": [p for n, p in trainable if "norm" in n], "weight_decay": 0.0}],
+                             lr=1e-3, eps=1e-4)
+
+
+def _step(model, optimizer, step, rank=0, world=1):
+    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=step), rank, world)
+    model(batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _wrap(case):
+    from fsdp_lab.fsdp2 import fully_shard
+
+    model = _model(case)
+    for layer in model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _model_state(model):
+    from fsdp_lab.fsdp2 import dcp_state_dict
+
+    return dcp_state_dict(model)  # NF4 weights in their own units; plain DTensors otherwise
+
+
+def _trained(model):
+    from fsdp_lab.fsdp2 import full_tensor
+
+    return {n: full_tensor(p).clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# -- what the ranks run ---------------------------------------------------------------------------
+def _save_on_two_ranks(folder):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for case in CASES:
+        model = _wrap(case)
+        optimizer = _optimizer(model)
+        for step in range(2):
+            _step(model, optimizer, step, rank, world)
+        whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                     cpu_offload=True))
+        if rank == 0:
+            out[case] = whole
+            torch.save(whole, f"{folder}/{case}.pt")
+        dcp.save({"model": _model_state(model), "optim": optimizer.state_dict()}, checkpoint_id=f"{folder}/{case}")
+    return out if rank == 0 else None
+
+
+def _resume(folder):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from fsdp_lab.fsdp2 import load_dcp_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for case in CASES:
+        for how in ("whole", "dcp"):
+            model = _wrap(case)
+            optimizer = _optimizer(model)
+            _step(model, optimizer, 7, rank, world)  # some other state, to be replaced
+            state = {"model": _model_state(model), "optim": optimizer.state_dict()}
+            dcp.load(state, checkpoint_id=f"{folder}/{case}")
+            load_dcp_state_dict(model, state["model"])
+            if how == "dcp":
+                optimizer.load_state_dict(state["optim"])
+            else:
+                whole = torch.load(f"{folder}/{case}.pt", weights_only=True) if rank == 0 else {}
+                set_optimizer_state_dict(model, optimizer, whole, options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True))
+            _step(model, optimizer, 2, rank, world)
+            out[(case, how)] = _trained(model)
+    return out if rank == 0 else None
+
+
+# -- the host side --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp2_optim_state")
+    return folder, fsdp_lab.launch(_save_on_two_ranks, str(folder), world_size=2, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def resumed(saved):
+    folder, _ = saved
+    return {world: fsdp_lab.launch(_resume, str(folder), world_size=world, timeout=300)[0] for world in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    out = {}
+    for case in CASES:
+        model = _model(case)
+        optimizer = _optimizer(model)
+        for step in range(2):
+            _step(model, optimizer, step)
+        names = {id(p): n for n, p in model.named_parameters()}
+        state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+        _step(model, optimizer, 2)
+        out[case] = state, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_whole_optimizer_state_by_name_equals_one_process(saved, one_process, case):
+    _, results = saved
+    state, _ = one_process[case]
+    whole = results[case]["state"]
+    assert whole.keys() == state.keys()
+    for name, entry in state.items():
+        assert whole[name]["exp_avg"].shape == entry["exp_avg"].shape
+        assert _max_diff(whole[name], entry) <= TOL, name
+
+
+@pytest.mark.parametrize("world", (1, 4))
+@pytest.mark.parametrize("how", ("whole", "dcp"))
+@pytest.mark.parametrize("case", CASES)
+def test_resuming_on_another_world_size_matches_one_process(resumed, one_process, world, how, case):
+    assert _max_diff(resumed[world][(case, how)], one_process[case][1]) <= TOL
