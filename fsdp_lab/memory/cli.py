@@ -1,6 +1,7 @@
 """``fsdp-lab estimate``: print the estimated per-rank memory breakdown of a Llama config.
 
     fsdp-lab estimate --model llama2-7b --world-size 8 --strategy fsdp2 --batch-size 1 --seq-len 4096 [--qlora] [--ac]
+    fsdp-lab estimate --config path/to/your-model --world-size 8     # its Hugging Face config.json
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``estimate`` sub-command to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
     p = subparsers.add_parser("estimate", help="estimate per-rank memory of one training step",
                               description="Estimate the per-rank memory (by category) of one training step.")
-    p.add_argument("--model", default="llama2-7b", choices=sorted(CONFIGS), help="named Llama config")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", default="llama2-7b", choices=sorted(CONFIGS), help="named Llama config")
+    which.add_argument("--config", default=None, metavar="PATH",
+                       help="your own Llama or Mistral model: its folder or config.json (Hugging Face format)")
     p.add_argument("--world-size", type=positive_int, default=8, help="number of ranks")
     p.add_argument("--strategy", default="fsdp2", choices=STRATEGIES)
     p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per rank")
@@ -50,8 +54,8 @@ def run_estimate(args: argparse.Namespace) -> str:
     error (SystemExit(2), the message on stderr) when ``args`` came from this parser; otherwise
     its ValueError propagates.
     """
-    config = LlamaConfig.from_name(args.model)
     try:
+        config = LlamaConfig.from_hf(args.config) if args.config else LlamaConfig.from_name(args.model)
         breakdown = estimate(
             config, world_size=args.world_size, strategy=args.strategy,
             param_dtype=getattr(torch, args.param_dtype),
@@ -61,12 +65,12 @@ def run_estimate(args: argparse.Namespace) -> str:
             activation_checkpointing=args.ac, cpu_offload=args.cpu_offload, qlora=args.qlora,
             reshard_after_forward=not args.no_reshard_after_forward,
             shard_group_size=args.shard_group_size)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         usage_error = getattr(args, "usage_error", None)
         if usage_error is None:
             raise
         usage_error(str(error))
-    header = (f"{args.model} ({count_parameters(config) / 1e9:.2f} B parameters), {args.strategy}, "
+    header = (f"{config.name} ({count_parameters(config) / 1e9:.2f} B parameters), {args.strategy}, "
               f"world size {args.world_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
               f"{args.param_dtype}{', QLoRA' if args.qlora else ''}{', checkpointing' if args.ac else ''}")
     if args.strategy == "fsdp1_hybrid_shard":

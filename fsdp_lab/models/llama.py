@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_lab.checks import check_positive_int
+from fsdp_lab.models.hf_config import llama_fields_from_hf
 
 INIT_STD = 0.02  # std of the normal init for every linear and embedding weight
 
@@ -63,6 +64,13 @@ class LlamaConfig:
         if name not in CONFIGS:
             raise ValueError(f"unknown Llama config {name!r}; known configs: {', '.join(CONFIGS)}")
         return dataclasses.replace(CONFIGS[name], **overrides)
+
+    @classmethod
+    def from_hf(cls, source, **overrides) -> "LlamaConfig":
+        """The shapes of a Hugging Face Llama or Mistral model: ``source`` is its folder (holding
+        ``config.json``), the file, a dict or a ``transformers`` config. See ``hf_config.py`` for
+        what it refuses (ValueError with the reason) and raises; ``overrides`` replace fields."""
+        return cls(**{**llama_fields_from_hf(source), **overrides})
 
 
 CONFIGS: dict[str, LlamaConfig] = {
