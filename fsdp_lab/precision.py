@@ -139,6 +139,24 @@ class MixedPrecision:
     main_grads_dtype: torch.dtype | None = torch.float32
     grad_comm_dtype: torch.dtype | None = None
 
+    @classmethod
+    def coerce(cls, policy: Any) -> Any:
+        """``policy`` as this class where it is PyTorch's ``torch.distributed.fsdp.MixedPrecision``
+        (converted field by field, with PyTorch's master and gradient dtypes:
+        ``main_params_dtype=None``, ``main_grads_dtype=None``); anything else as it is (the
+        caller's type check names what to pass)."""
+        try:
+            from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+        except ImportError:  # pragma: no cover - torch builds without distributed
+            return policy
+        if not isinstance(policy, TorchMixedPrecision):
+            return policy
+        return cls(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                   buffer_dtype=policy.buffer_dtype, keep_low_precision_grads=policy.keep_low_precision_grads,
+                   cast_forward_inputs=policy.cast_forward_inputs,
+                   cast_root_forward_inputs=policy.cast_root_forward_inputs,
+                   main_params_dtype=None, main_grads_dtype=None)
+
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype", *_MAIN_FIELDS):
             check_float_dtype(field, getattr(self, field))

@@ -11,7 +11,9 @@ every flat parameter (and extensions such as NF4 weights) follows, ``wrap.py`` p
 units, ``state_dict.py`` saves and loads (``optim_state.py`` the optimizer's state), ``clip.py`` clips, ``groups.py`` picks the ranks.
 """
 
-from fsdp_lab.fsdp1.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from fsdp_lab.fsdp1.api import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig,
+                                MixedPrecision, ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy,
+                                StateDictSettings, StateDictType)
 from fsdp_lab.fsdp1.dcp import dcp_state_dict, load_dcp_state_dict
 from fsdp_lab.fsdp1.flat_param import FlatParamHandle
 from fsdp_lab.fsdp1.fully_sharded import FullyShardedDataParallel
@@ -23,4 +25,5 @@ from fsdp_lab.fsdp1.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, t
 __all__ = ["dcp_state_dict", "load_dcp_state_dict", "load_dcp_optim_state_dict", "FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "CPUOffload", "MixedPrecision",
            "StateDictType", "ModuleWrapPolicy", "transformer_auto_wrap_policy", "size_based_auto_wrap_policy",
            "FlatParamHandle", "FlatHandle", "register_handle_type", "padded_numel", "shard_boundaries",
-           "ShardedParam"]
+           "ShardedParam", "StateDictSettings", "FullStateDictConfig", "ShardedStateDictConfig",
+           "FullOptimStateDictConfig", "ShardedOptimStateDictConfig"]

@@ -4,7 +4,7 @@
 One wrapper is one unit; ``auto_wrap_policy`` makes nested units. This file builds a unit
 (wrapping, process groups, one flat parameter per (dtype, requires_grad), extension handles
 for registered tensor types) and holds the public API (``no_sync``, ``clip_grad_norm_``,
-``summon_full_params``, state dicts). When each unit gathers, frees and reduces is
+``summon_full_params``, state dicts and their settings, optimizer state). When each unit gathers, frees and reduces is
 ``runtime.py``; a flat parameter's life is ``flat_param.py``, its gradient's ``flat_grad.py``.
 """
 
@@ -23,7 +23,8 @@ from fsdp_lab.dist import current_device
 from fsdp_lab.fsdp1 import clip, groups
 from fsdp_lab.fsdp1 import optim_state
 from fsdp_lab.fsdp1 import state_dict as sd
-from fsdp_lab.fsdp1.api import BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictType, check_option_types
+from fsdp_lab.fsdp1.api import (BackwardPrefetch, CPUOffload, ShardingStrategy, StateDictSettings, StateDictType,
+                                check_option_types, from_torch)
 from fsdp_lab.fsdp1.flat_grad import GRAD_ACCUMULATION_MODES, GradConfig
 from fsdp_lab.fsdp1.flat_param import FlatParamHandle
 from fsdp_lab.fsdp1.handle import FlatHandle, handle_factory_for
@@ -66,6 +67,9 @@ class FullyShardedDataParallel(ShardedUnit):
                  forward_prefetch: bool = False, limit_all_gathers: bool = True,
                  use_orig_params: bool = True, *, grad_accumulation: str = "flat"):
         super().__init__()
+        sharding_strategy, backward_prefetch = (from_torch(sharding_strategy, ShardingStrategy),
+                                                from_torch(backward_prefetch, BackwardPrefetch))
+        cpu_offload, mixed_precision = from_torch(cpu_offload, CPUOffload), from_torch(mixed_precision, MixedPrecision)
         check_option_types(sharding_strategy, cpu_offload, backward_prefetch, mixed_precision, auto_wrap_policy,
                            sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                            limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params)
@@ -116,7 +120,7 @@ class FullyShardedDataParallel(ShardedUnit):
         self._spec = ShardingSpec.over(self.shard_group, self.compute_device, self.cpu_offload.offload_params)
         self._handles = self._build_handles(module, ignored)
         self._reshard_after_forward = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_settings = StateDictSettings(StateDictType.FULL_STATE_DICT)
         self._init_runtime()
         for path, unit in self.named_modules():  # name units by path; an outer unit renames inner ones
             if isinstance(unit, FullyShardedDataParallel):
@@ -231,17 +235,56 @@ class FullyShardedDataParallel(ShardedUnit):
 
     @staticmethod
     @contextlib.contextmanager
-    def state_dict_type(module: nn.Module, state_dict_type: StateDictType) -> Iterator[None]:
-        """Within the block ``module.state_dict()`` / ``load_state_dict`` use ``state_dict_type``."""
-        units = units_in(module)
-        before = [u._state_dict_type for u in units]
-        for unit in units:
-            unit._state_dict_type = state_dict_type
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                        optim_state_dict_config=None) -> Iterator[StateDictSettings]:
+        """Within the block ``state_dict()``, ``load_state_dict`` and ``optim_state_dict`` of
+        every unit in ``module`` use these settings (see ``set_state_dict_type``); the previous
+        ones come back after it. Yields the previous settings."""
+        before = {id(u): u._state_dict_settings for u in units_in(module)}
+        previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                                optim_state_dict_config)
         try:
-            yield
+            yield previous
         finally:
-            for unit, old in zip(units, before):
-                unit._state_dict_type = old
+            for unit in units_in(module):
+                unit._state_dict_settings = before.get(id(unit), unit._state_dict_settings)
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                            optim_state_dict_config=None) -> StateDictSettings:
+        """Set what every unit in ``module`` gives from ``state_dict()`` / ``optim_state_dict`` until
+        set again, as PyTorch's: the type (this package's ``StateDictType`` or PyTorch's) and
+        PyTorch's config classes (``FullStateDictConfig(offload_to_cpu, rank0_only)``, ...; see
+        ``api.StateDictSettings``). Returns the previous settings of the outermost unit. Raises
+        TypeError, NotImplementedError (LOCAL_STATE_DICT) or ValueError (a config of the other
+        kind), naming the argument."""
+        settings = StateDictSettings.checked(state_dict_type, state_dict_config, optim_state_dict_config)
+        units = units_in(module)
+        if not units:
+            raise ValueError("set_state_dict_type: the module holds no FullyShardedDataParallel unit; wrap it first")
+        previous = units[0]._state_dict_settings
+        for unit in units:
+            unit._state_dict_settings = settings
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The settings ``state_dict()`` uses now (those of the outermost unit in ``module``).
+        Raises ValueError for a module without units."""
+        units = units_in(module)
+        if not units:
+            raise ValueError("get_state_dict_type: the module holds no FullyShardedDataParallel unit")
+        return units[0]._state_dict_settings
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """The units in ``module`` (itself included), outermost first; ``root_only``: only those
+        not inside another unit of ``module``."""
+        units = units_in(module)
+        if not root_only:
+            return units
+        inner = {id(u) for unit in units for u in units_in(unit._fsdp_wrapped_module)}
+        return [u for u in units if id(u) not in inner]
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
@@ -259,8 +302,12 @@ class FullyShardedDataParallel(ShardedUnit):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Full (default) or sharded state dict with original names; see ``state_dict.py``."""
-        result = sd.full_state_dict(self) if self._state_dict_type == StateDictType.FULL_STATE_DICT \
-            else sd.sharded_state_dict(self)
+        settings = self._state_dict_settings
+        if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
+            offload_to_cpu, rank0_only = settings.full_options()
+            result = sd.full_state_dict(self, offload_to_cpu=offload_to_cpu, rank0_only=rank0_only)
+        else:
+            result = sd.sharded_state_dict(self)
         result = {prefix + k: v for k, v in result.items()}
         if destination is not None:
             destination.update(result)
@@ -269,7 +316,7 @@ class FullyShardedDataParallel(ShardedUnit):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load what ``state_dict()`` returned (same state dict type, same world size for sharded)."""
-        if self._state_dict_type == StateDictType.FULL_STATE_DICT:
+        if self._state_dict_settings.state_dict_type == StateDictType.FULL_STATE_DICT:
             return sd.load_full_state_dict(self, state_dict, strict=strict)
         return sd.load_sharded_state_dict(self, state_dict, strict=strict)
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fsdp_lab.fsdp1.api import StateDictType
+from fsdp_lab.fsdp1.api import StateDictSettings, StateDictType
 from fsdp_lab.fsdp1.dcp import _check_strategy, _sharded_tensor
 from fsdp_lab.fsdp1.layout import ShardedParam
 from fsdp_lab.fsdp1.runtime import units_in
@@ -69,7 +69,7 @@ def _elementwise(value, param: torch.Tensor) -> bool:
 
 
 def _as_is(value):
-    return value.detach().cpu().clone() if torch.is_tensor(value) else copy.deepcopy(value)
+    return value.detach().clone() if torch.is_tensor(value) else copy.deepcopy(value)
 
 
 def _named_groups(optimizer: torch.optim.Optimizer, names: list[str]) -> list[dict]:
@@ -92,7 +92,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     NotImplementedError (sharded) for NO_SHARD or HYBRID_SHARD units, whose ranks hold copies.
     """
     _check_idle(model)
-    sharded = any(u._state_dict_type == StateDictType.SHARDED_STATE_DICT for u in units_in(model))
+    settings = _settings(model)
+    sharded = settings.state_dict_type == StateDictType.SHARDED_STATE_DICT
     if sharded:
         _check_strategy(model)
     names, params, managed = _names(model, optimizer), _params_of(optimizer), _managed(model)
@@ -115,9 +116,21 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
             else:
                 to_gather.setdefault((numbers[id(handle)], key, value.dtype), {})[index] = value.detach()
                 owners[(numbers[id(handle)], index)] = name
-    if not sharded:
-        _gather_whole(handles, to_gather, owners, state)
+    if sharded:
+        return {"state": state, "param_groups": _named_groups(optimizer, names)}
+    offload_to_cpu, rank0_only = settings.full_options(optim=True)
+    _gather_whole(handles, to_gather, owners, state)
+    if rank0_only and dist.get_rank() != 0:
+        return {}
+    if offload_to_cpu:
+        state = {name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
+                 for name, entry in state.items()}
     return {"state": state, "param_groups": _named_groups(optimizer, names)}
+
+
+def _settings(model: nn.Module) -> StateDictSettings:
+    units = units_in(model)
+    return units[0]._state_dict_settings if units else StateDictSettings(StateDictType.FULL_STATE_DICT)
 
 
 def _gather_whole(handles, to_gather, owners, state) -> None:
@@ -134,18 +147,25 @@ def _gather_whole(handles, to_gather, owners, state) -> None:
             raise TypeError(f"{type(handle).__name__} ({handle.unit_name}) cannot gather optimizer state; "
                             f"only ordinary flat parameters train")
         for index, whole in handle.gather_param_shaped(parts, dtype).items():
-            state[owners[(number, index)]][key] = whole.cpu().clone()
+            state[owners[(number, index)]][key] = whole.clone()
 
 
 def optim_state_dict_to_load(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
     """What ``optimizer.load_state_dict`` takes on this rank, from ``optim_state_dict``'s output
     (whole, saved at any world size or by one process in the same layout; or sharded, filled by
-    ``dcp.load``). No communication.
+    ``dcp.load``). No communication, except under ``FullOptimStateDictConfig(rank0_only=True)``:
+    then only rank 0's ``optim_state_dict`` is read and broadcast (the others may pass None).
 
     Raises ValueError when the parameter groups or their names differ from the optimizer's, or a
     tensor does not fit its parameter (another model, or a sharded state of another layout).
     """
     _check_idle(model)
+    settings = _settings(model)
+    if settings.state_dict_type == StateDictType.FULL_STATE_DICT and settings.full_options(optim=True)[1] \
+            and dist.get_world_size() > 1:
+        box = [optim_state_dict if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        optim_state_dict = box[0]
     names, params, managed = _names(model, optimizer), _params_of(optimizer), _managed(model)
     groups = optim_state_dict["param_groups"]
     ours = _named_groups(optimizer, names)

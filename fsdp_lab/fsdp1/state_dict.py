@@ -98,14 +98,20 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter (full shape, own dtype, CPU clone) and persistent buffer by original name."""
+def full_state_dict(model: nn.Module, offload_to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (full shape, own dtype, a copy: on CPU, or with ``offload_to_cpu=False`` on
+    its device) and persistent buffer by original name. Every rank takes part; with
+    ``rank0_only`` the others get an empty dict (and never hold the whole parameters)."""
+    keep = not rank0_only or dist.get_rank() == 0
+    copy = (lambda t: t.detach().cpu().clone()) if offload_to_cpu else (lambda t: t.detach().clone())
     out = {}
-    with summon_full_params(model, writeback=False):
-        for name, param in model.named_parameters(remove_duplicate=False):
-            out[name] = param.detach().cpu().clone()
-    for name, buf in _persistent_buffers(model).items():
-        out[name] = buf.detach().cpu().clone()
+    with summon_full_params(model, writeback=False, rank0_only=rank0_only):
+        if keep:
+            for name, param in model.named_parameters(remove_duplicate=False):
+                out[name] = copy(param)
+    if keep:
+        for name, buf in _persistent_buffers(model).items():
+            out[name] = copy(buf)
     return out
 
 
