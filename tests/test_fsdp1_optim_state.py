@@ -33,9 +33,10 @@ def _model(case):
     return model
 
 
-def _optimizer(model):
-    """AdamW in two groups, no decay for norms (chosen by name: under FSDP1 every parameter is 1-D)."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def _optimizer(model, reverse=False):
+    """AdamW in two groups, no decay for norms (chosen by name: under FSDP1 every parameter is 1-D);
+    ``reverse``: each group lists its parameters in the opposite order."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1 if reverse else 1]
     return torch.optim.AdamW([{"params": [p for n, p in trainable if "norm" not in n], "weight_decay": 0.1},
                               {"params": [p for n, p in trainable if "norm" in n], "weight_decay": 0.0}],
                              lr=1e-3, eps=1e-4)
@@ -87,7 +88,7 @@ def _save_on_two_ranks(folder):
             with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
                 dcp.save({"model": dcp_state_dict(model), "optim": FSDP.optim_state_dict(model, optimizer)},
                          checkpoint_id=f"{folder}/{case}.dcp")
-        fresh = _optimizer(model)  # the same ranks load what they saved
+        fresh = _optimizer(model, reverse=True)  # the same ranks load what they saved, by name
         fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, whole))
         _step(model, fresh, 2, rank, world)
         out[(case, "resumed on 2")] = _full_params(model)
@@ -156,11 +157,16 @@ def _errors(checkpoint: str) -> dict:
         from fsdp_lab.fsdp1 import dcp_state_dict
         dcp_state_dict(_wrap("NO_SHARD"))
 
-    def ranks_differ():  # rank 1 steps SGD with momentum, rank 0 AdamW: other state keys
+    def ranks_differ(sharded=False):  # rank 1 steps SGD with momentum, rank 0 AdamW: other state keys
         other = _wrap("FULL_SHARD")
         opt = _optimizer(other) if dist.get_rank() == 0 else torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
         _step(other, opt, 0, dist.get_rank(), dist.get_world_size())
-        FSDP.optim_state_dict(other, opt)
+        kind = StateDictType.SHARDED_STATE_DICT if sharded else StateDictType.FULL_STATE_DICT
+        with FSDP.state_dict_type(other, kind):
+            FSDP.optim_state_dict(other, opt)
+
+    def ranks_differ_sharded():  # an error, not a hang in the ShardedTensors' metadata exchange
+        ranks_differ(sharded=True)
 
     def wrong_key():
         from fsdp_lab.fsdp1 import load_dcp_optim_state_dict
@@ -168,7 +174,7 @@ def _errors(checkpoint: str) -> dict:
 
     out = {}
     for fn in (foreign_parameter, other_groups, other_model, sharded_copies, model_of_copies, ranks_differ,
-               wrong_key):
+               ranks_differ_sharded, wrong_key):
         try:
             fn()
             out[fn.__name__] = None
@@ -255,6 +261,7 @@ def test_resuming_on_another_world_size_matches_one_process(resumed, one_process
     ("sharded_copies", "NotImplementedError", "NO_SHARD keeps copies"),
     ("model_of_copies", "NotImplementedError", "NO_SHARD keeps copies"),
     ("ranks_differ", "RuntimeError", "the ranks' optimizer states differ"),
+    ("ranks_differ_sharded", "RuntimeError", "the ranks' optimizer states differ"),
     ("wrong_key", "ValueError", "no optimizer state under 'optimizer'"),
 ])
 def test_bad_input_names_the_problem(saved, case, error, words):

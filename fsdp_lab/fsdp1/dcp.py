@@ -51,7 +51,8 @@ def _sharded_tensor(part: ShardedParam):
 
 def _check_strategy(model: nn.Module) -> None:
     for unit in units_in(model):
-        if unit.replicate_group is not None:  # NO_SHARD (shard group None) and HYBRID_SHARD
+        replicas = unit.replicate_group
+        if replicas is not None and dist.get_world_size(replicas) > 1:  # NO_SHARD, HYBRID_SHARD
             raise NotImplementedError(
                 f"dcp_state_dict needs every rank to hold a different part ({unit.sharding_strategy.name} keeps "
                 "copies on several ranks); save a full state dict (StateDictType.FULL_STATE_DICT) instead")

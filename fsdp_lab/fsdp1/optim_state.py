@@ -11,10 +11,11 @@ parameter, as PyTorch's ``FSDP.optim_state_dict`` does (same layout: ``{"state":
 * **whole** (``FULL_STATE_DICT``, the default): one all-gather per (flat parameter, state
   key); each tensor has its parameter's shape, on CPU, on every rank. Loads at any world size
   and wrapping, and into the same model trained in one process.
-* **sharded** (inside ``FSDP.state_dict_type(model, SHARDED_STATE_DICT)``): no communication;
-  each such tensor becomes a 1-D ``ShardedTensor`` of the parameter's flattened state holding
-  this rank's range, as ``dcp_state_dict`` does for the parameters themselves, so
-  ``torch.distributed.checkpoint`` saves it once. ``load_dcp_optim_state_dict`` loads it at
+* **sharded** (inside ``FSDP.state_dict_type(model, SHARDED_STATE_DICT)``): each such tensor
+  becomes a 1-D ``ShardedTensor`` of the parameter's flattened state holding this rank's range
+  (a view of the optimizer's tensor), as ``dcp_state_dict`` does for the parameters themselves,
+  so ``torch.distributed.checkpoint`` saves it once. No data moves, but building each
+  ShardedTensor checks its metadata with the other ranks, so every rank calls it. ``load_dcp_optim_state_dict`` loads it at
   any world size: it reads which state each parameter has from the checkpoint's metadata
   (a fresh optimizer has none to offer as a template).
 
@@ -87,40 +88,53 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     ``state_dict_type(model, SHARDED_STATE_DICT)`` (see the module docstring).
 
     Every rank must call it between steps; it changes nothing (an optimizer without state gives
-    none: to load a DCP checkpoint into one, use ``load_dcp_optim_state_dict``). Raises ValueError for an optimizer parameter the model does not have,
-    RuntimeError when the ranks' optimizer states differ in kind or inside forward or backward,
-    NotImplementedError (sharded) for NO_SHARD or HYBRID_SHARD units, whose ranks hold copies.
+    none: to load a DCP checkpoint into one, use ``load_dcp_optim_state_dict``). Whole tensors
+    leave the device one by one as they are gathered (``offload_to_cpu``, the default) and are
+    kept only on rank 0 under ``rank0_only``. Sharded entries view the optimizer's own tensors
+    (no copy, as ``optimizer.state_dict()``). Raises ValueError for an optimizer parameter the
+    model does not have, RuntimeError when the ranks' optimizer states differ in kind or inside
+    forward or backward, NotImplementedError (sharded) for units whose ranks hold copies
+    (NO_SHARD, HYBRID_SHARD).
     """
     _check_idle(model)
     settings = _settings(model)
     sharded = settings.state_dict_type == StateDictType.SHARDED_STATE_DICT
     if sharded:
         _check_strategy(model)
+    offload_to_cpu, rank0_only = (False, False) if sharded else settings.full_options(optim=True)
+    keep = not rank0_only or dist.get_rank() == 0
     names, params, managed = _names(model, optimizer), _params_of(optimizer), _managed(model)
     handles = [h for u in units_in(model) for h in u._handles]
     numbers = {id(h): n for n, h in enumerate(handles)}
     state: dict[str, dict] = {}
-    to_gather: dict[tuple, dict[int, torch.Tensor]] = {}  # (handle number, key, dtype) -> {index: part}
-    owners: dict[tuple[int, int], str] = {}               # (handle number, index) -> parameter name
+    parts: dict[tuple, dict[int, torch.Tensor]] = {}  # (handle number, key, dtype) -> {index: this rank's part}
+    owners: dict[tuple[int, int], str] = {}           # (handle number, index) -> parameter name
     for i, saved in optimizer.state_dict()["state"].items():
         param, name, entry = params[i], names[i], managed.get(id(params[i]))
         state[name] = {}
         for key, value in saved.items():
             if entry is None or not _elementwise(value, param):
                 state[name][key] = _as_is(value)
-                continue
-            handle, index = entry
-            if sharded:
-                start, end = handle.layout.bounds[index]
-                state[name][key] = _sharded_tensor(ShardedParam(value.detach(), start, end, tuple(handle.infos[index].shape)))
             else:
-                to_gather.setdefault((numbers[id(handle)], key, value.dtype), {})[index] = value.detach()
-                owners[(numbers[id(handle)], index)] = name
-    if sharded:
-        return {"state": state, "param_groups": _named_groups(optimizer, names)}
-    offload_to_cpu, rank0_only = settings.full_options(optim=True)
-    _gather_whole(handles, to_gather, owners, state)
-    if rank0_only and dist.get_rank() != 0:
+                number = numbers[id(entry[0])]
+                parts.setdefault((number, key, value.dtype), {})[entry[1]] = value.detach()
+                owners[(number, entry[1])] = name
+    _check_same_on_every_rank(parts)  # the collectives below must match, or they would hang
+    for (number, key, dtype), by_index in sorted(parts.items(), key=lambda item: item[0][:2]):
+        handle = handles[number]
+        if sharded:
+            for index, local in by_index.items():
+                start, end = handle.layout.bounds[index]
+                state[owners[(number, index)]][key] = _sharded_tensor(
+                    ShardedParam(local, start, end, tuple(handle.infos[index].shape)))
+            continue
+        if not hasattr(handle, "gather_param_shaped"):
+            raise TypeError(f"{type(handle).__name__} ({handle.unit_name}) cannot gather optimizer state; "
+                            f"only ordinary flat parameters train")
+        for index, whole in handle.gather_param_shaped(by_index, dtype).items():
+            if keep:
+                state[owners[(number, index)]][key] = whole.to("cpu", copy=True) if offload_to_cpu else whole.clone()
+    if not keep:
         return {}
     if offload_to_cpu:
         state = {name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
@@ -133,21 +147,14 @@ def _settings(model: nn.Module) -> StateDictSettings:
     return units[0]._state_dict_settings if units else StateDictSettings(StateDictType.FULL_STATE_DICT)
 
 
-def _gather_whole(handles, to_gather, owners, state) -> None:
-    """One all-gather per (flat parameter, state key), in the same order on every rank."""
-    plan = sorted((number, key, str(dtype), sorted(parts)) for (number, key, dtype), parts in to_gather.items())
+def _check_same_on_every_rank(parts: dict) -> None:
+    """RuntimeError unless every rank has state for the same parameters, keys and dtypes."""
+    plan = sorted((number, key, str(dtype), sorted(by_index)) for (number, key, dtype), by_index in parts.items())
     plans = [None] * dist.get_world_size()
     dist.all_gather_object(plans, plan)
     if any(p != plan for p in plans):
         raise RuntimeError("the ranks' optimizer states differ (other keys, dtypes or parameters with state); "
                            "every rank must step the same optimizer over the same parameters")
-    for (number, key, dtype), parts in sorted(to_gather.items(), key=lambda item: (item[0][0], item[0][1])):
-        handle = handles[number]
-        if not hasattr(handle, "gather_param_shaped"):
-            raise TypeError(f"{type(handle).__name__} ({handle.unit_name}) cannot gather optimizer state; "
-                            f"only ordinary flat parameters train")
-        for index, whole in handle.gather_param_shaped(parts, dtype).items():
-            state[owners[(number, index)]][key] = whole.clone()
 
 
 def optim_state_dict_to_load(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
@@ -180,9 +187,11 @@ def optim_state_dict_to_load(model: nn.Module, optimizer: torch.optim.Optimizer,
         i = index[name]
         entry = managed.get(id(params[i]))
         state[i] = {key: _local(value, entry, params[i], f"{name}.{key}") for key, value in saved.items()}
+    # hyperparameters as saved, parameters in this optimizer's own order: load_state_dict pairs
+    # the ids listed here with its parameters by position
     return {"state": state,
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
-                             for g in groups]}
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": [index[n] for n in own["params"]]} for g, own in zip(groups, ours)]}
 
 
 def _local(value, entry, param: torch.Tensor, where: str):
@@ -235,8 +244,12 @@ def load_dcp_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         prefix, entry = f"{key}.state.{name}.", managed.get(id(param))
         for flat_key, meta in saved.items():
             state_key = flat_key[len(prefix):] if flat_key.startswith(prefix) else None
-            if not state_key or "." in state_key:
+            if not state_key:
                 continue
+            if "." in state_key:
+                raise ValueError(f"{flat_key}: the optimizer state of {name} holds a container ({state_key!r}); "
+                                 f"load_dcp_optim_state_dict takes tensors and plain values per state key, as "
+                                 f"torch.optim's optimizers keep")
             where[flat_key] = (name, state_key)
             if not isinstance(meta, TensorStorageMetadata):
                 flat[flat_key] = None
