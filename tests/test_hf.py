@@ -135,6 +135,7 @@ def _rank_suite():
                 out[(family, "fsdp1", "generate", recurse)] = greedy(model.module)
         if family == FAMILIES[0]:
             out["fsdp1 summon refusals"] = _summon_refusals(model, rank)
+            out["fsdp1 bf16"] = _generate_under_mixed_precision(family, layer_cls, rank, world)
             model = FullyShardedDataParallel(qlora(tiny_model(family)), auto_wrap_policy=ModuleWrapPolicy({layer_cls}))
             with FullyShardedDataParallel.summon_full_params(model, writeback=False):  # whole NF4 weights
                 out[(family, "qlora-fsdp1", "generate")] = greedy(model.module)
@@ -148,6 +149,32 @@ def _rank_suite():
         out[(family, "qlora")] = (losses, {n: _full(p) for n, p in model.named_parameters() if p.requires_grad})
         out[(family, "qlora", "generate")] = greedy(model)
     return out if rank == 0 else None
+
+
+def _generate_under_mixed_precision(family, layer_cls, rank, world) -> dict:
+    """FSDP1 trained in bf16: generation with every unit summoned (and on rank 0 alone under
+    rank0_only), the trained weights, and what summoning the root alone says."""
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy
+    from fsdp_lab.precision import MixedPrecision
+
+    model = FullyShardedDataParallel(tiny_model(family), auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+                                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    train(model, rank, world)
+    out = {"weights": model.state_dict()}
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        out["all summoned"] = greedy(model.module)
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False, rank0_only=True):
+        out["rank 0 alone"] = greedy(model.module) if rank == 0 else None
+    try:
+        with FullyShardedDataParallel.summon_full_params(model, recurse=False, writeback=False):
+            greedy(model.module)
+        out["root summoned"] = "ran"
+    except RuntimeError as e:
+        out["root summoned"] = str(e)
+    ids = batch(0, rank, world)
+    model(input_ids=ids, labels=ids).loss.backward()  # the refusal left every unit ready to train
+    out["trains after"] = True
+    return out
 
 
 def _summon_refusals(model, rank: int) -> list[str]:
@@ -217,6 +244,16 @@ def test_forward_inside_summon_full_params_refuses_what_cannot_be_right(suite):
     assert on_rank0[0] == on_rank1[0]
     assert on_rank0[1] == "ran"  # rank0_only: rank 0 holds the whole parameters
     assert "rank0_only=True" in on_rank1[1] and "sharded" in on_rank1[1]
+
+
+def test_generate_under_bf16_needs_every_unit_summoned(suite):
+    mixed = suite["fsdp1 bf16"]
+    plain = tiny_model(FAMILIES[0])
+    plain.load_state_dict(mixed["weights"])  # the trained full-precision weights, in a plain model
+    reference = greedy(plain).tolist()
+    assert mixed["all summoned"].tolist() == reference and mixed["rank 0 alone"].tolist() == reference
+    assert "computes in torch.bfloat16 but runs inside summon_full_params(recurse=False)" in mixed["root summoned"]
+    assert "recurse=True" in mixed["root summoned"] and mixed["trains after"]
 
 
 def test_generate_with_qlora_under_fsdp1_matches_one_process(suite, references):

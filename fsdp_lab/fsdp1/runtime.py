@@ -195,6 +195,7 @@ class ShardedUnit(nn.Module):
         self.__dict__["_root_state"] = None  # only on the root
         self.training_state = TrainingState.IDLE
         self._summoned_whole = False  # inside summon_full_params with this rank's parameters whole
+        self._under_summoned = False  # an enclosing unit is summoned, this one is not (recurse=False)
         # one token per tracked forward whose input gradients have not come back; only that
         # forward's graph holds it, so a graph dropped without backward (an evaluation with grad
         # on, a recomputation's) leaves the set by itself
@@ -238,6 +239,8 @@ class ShardedUnit(nn.Module):
             self._lazy_init_root()
         if self.training_state == TrainingState.SUMMON_FULL_PARAMS:
             return self._forward_summoned(args, kwargs)
+        if self._under_summoned:
+            self._check_dtype_under_summoned()
         policy = self.mixed_precision
         if self is self._root and policy.cast_root_forward_inputs or policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
@@ -252,13 +255,22 @@ class ShardedUnit(nn.Module):
         with nothing gathered, freed or cast. Raises RuntimeError where that cannot be right."""
         if not self._summoned_whole:
             raise RuntimeError(f"{self._name}: forward inside summon_full_params(rank0_only=True) on a rank "
-                               f"other than 0, whose parameters stay sharded; run the model on rank 0 only, "
-                               f"or summon with rank0_only=False")
+                               f"other than 0, whose parameters stay sharded: summon every unit (recurse=True) "
+                               f"and run the model on rank 0 only, or summon with rank0_only=False")
         if torch.is_grad_enabled() and any(h.requires_grad for h in self._handles):
             raise RuntimeError(f"{self._name}: a forward with gradients inside summon_full_params: the whole "
                                f"parameters there are a temporary copy, so no gradient would reach the shards. "
                                f"Run it under torch.no_grad() (as generate() does), or outside the block to train")
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _check_dtype_under_summoned(self) -> None:
+        """RuntimeError when this unit would compute in its ``param_dtype`` between the enclosing
+        unit's summoned full-precision parameters (their activations meet in one matmul)."""
+        compute = self.mixed_precision.param_dtype
+        if compute is not None and any(h.dtype != compute for h in self._handles if hasattr(h, "dtype")):
+            raise RuntimeError(f"{self._name} computes in {compute} but runs inside summon_full_params(recurse=False) "
+                               f"of an enclosing unit, whose parameters are whole in full precision there: the two "
+                               f"dtypes would meet. With a mixed-precision policy summon every unit (recurse=True)")
 
     def _unshard(self) -> None:
         """Issue the all-gathers of this unit's flat parameters (asynchronous)."""
