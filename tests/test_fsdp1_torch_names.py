@@ -9,17 +9,22 @@ the same model trained in one process; one launch on 2 ranks runs every distribu
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_size_policy
 
 import fsdp_lab
-from fsdp_lab.fsdp1 import api
+from fsdp_lab.fsdp1 import api, size_based_auto_wrap_policy
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, TransformerBlock
 
 TOL = 1e-6
+# a block of the "cpu" Llama: attention 4 x 128 x 128 with 2 of 4 heads for k and v, SwiGLU 3 x 128 x 352, two norms
+BLOCK_PARAMETERS = 2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 352 + 2 * 128
 
 
 @pytest.mark.parametrize("kind", [api.ShardingStrategy, api.BackwardPrefetch, api.StateDictType])
@@ -46,9 +51,9 @@ def test_members_and_objects_pytorch_has_and_we_do_not_are_refused_or_converted(
 
 @pytest.mark.parametrize("args,error,words", [
     (("FULL_STATE_DICT",), TypeError, "state_dict_type must be StateDictType.FULL_STATE_DICT"),
-    ((api.StateDictType.FULL_STATE_DICT, torch_fsdp.ShardedStateDictConfig()), ValueError,
+    ((api.StateDictType.FULL_STATE_DICT, torch_fsdp.ShardedStateDictConfig()), RuntimeError,
      "FULL_STATE_DICT takes state_dict_config=FullStateDictConfig(...) or None"),
-    ((api.StateDictType.SHARDED_STATE_DICT, None, torch_fsdp.FullOptimStateDictConfig()), ValueError,
+    ((api.StateDictType.SHARDED_STATE_DICT, None, torch_fsdp.FullOptimStateDictConfig()), RuntimeError,
      "SHARDED_STATE_DICT takes optim_state_dict_config=ShardedOptimStateDictConfig(...) or None"),
 ])
 def test_state_dict_settings_refuse_what_pytorch_refuses(args, error, words):
@@ -79,6 +84,11 @@ def _ranks():
                  cpu_offload=torch_fsdp.CPUOffload(offload_params=True), use_orig_params=True)
     out["strategy"] = (model.sharding_strategy, model.backward_prefetch, model.cpu_offload)
     out["units"] = (len(FSDP.fsdp_modules(model)), len(FSDP.fsdp_modules(model, root_only=True)))
+    out["size_wrapped"] = {}
+    for impl, size_policy in (("torch", torch_size_policy), ("ours", size_based_auto_wrap_policy)):
+        sized = FSDP(Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0),
+                     auto_wrap_policy=functools.partial(size_policy, min_num_params=BLOCK_PARAMETERS))
+        out["size_wrapped"][impl] = sorted(type(u._fsdp_wrapped_module).__name__ for u in FSDP.fsdp_modules(sized))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
     for step in range(2):
         _step(model, optimizer, step, rank, world)
@@ -127,6 +137,12 @@ def test_pytorch_options_mean_the_same_here(ranks):
     assert strategy is api.ShardingStrategy.SHARD_GRAD_OP and prefetch is api.BackwardPrefetch.BACKWARD_POST
     assert offload == api.CPUOffload(offload_params=True)
     assert ranks[0]["units"] == (3, 1)  # the root and two blocks; one outermost
+
+
+def test_pytorch_size_based_policy_wraps_what_it_wraps_in_pytorch(ranks):
+    # the blocks reach the size (embedding and output, 512 x 128 each, do not): two units and the root
+    wrapped = ranks[0]["size_wrapped"]
+    assert wrapped["torch"] == wrapped["ours"] == ["Llama", "TransformerBlock", "TransformerBlock"]
 
 
 def test_rank0_only_full_state_dicts_are_on_rank_0_alone(ranks, one_process):

@@ -71,8 +71,8 @@ class StateDictSettings:
     The configs are PyTorch's own classes (re-exported here): ``FullStateDictConfig`` /
     ``FullOptimStateDictConfig`` (``offload_to_cpu``: tensors on CPU, else on the compute
     device; ``rank0_only``: the other ranks get an empty dict) and the ``Sharded`` ones, whose
-    entries are CPU copies here whatever ``offload_to_cpu`` says. None: this package's default,
-    CPU copies on every rank.
+    ``offload_to_cpu`` changes nothing here (the model's sharded entries are CPU copies, the
+    optimizer's view its state). None: this package's default, CPU copies on every rank.
     """
 
     state_dict_type: StateDictType
@@ -82,8 +82,8 @@ class StateDictSettings:
     @classmethod
     def checked(cls, state_dict_type, state_dict_config=None, optim_state_dict_config=None) -> "StateDictSettings":
         """Settings from a type (ours or PyTorch's) and configs of its kind. Raises TypeError for
-        another type, NotImplementedError for LOCAL_STATE_DICT, ValueError for a config of the
-        other kind (a Sharded config with FULL_STATE_DICT), as PyTorch does."""
+        another type, NotImplementedError for LOCAL_STATE_DICT, RuntimeError (PyTorch's error) for
+        a config of the other kind (a Sharded config with FULL_STATE_DICT)."""
         kind = from_torch(state_dict_type, StateDictType)
         if not isinstance(kind, StateDictType):
             raise TypeError(f"state_dict_type must be StateDictType.FULL_STATE_DICT or SHARDED_STATE_DICT, "
@@ -92,7 +92,7 @@ class StateDictSettings:
         for name, config, family in (("state_dict_config", state_dict_config, "StateDictConfig"),
                                      ("optim_state_dict_config", optim_state_dict_config, "OptimStateDictConfig")):
             if config is not None and type(config).__name__ != prefix + family:
-                raise ValueError(f"{kind.name} takes {name}={prefix}{family}(...) or None, got {config!r}")
+                raise RuntimeError(f"{kind.name} takes {name}={prefix}{family}(...) or None, got {config!r}")
         return cls(kind, state_dict_config, optim_state_dict_config)
 
     def full_options(self, optim: bool = False) -> tuple[bool, bool]:

@@ -256,8 +256,8 @@ class FullyShardedDataParallel(ShardedUnit):
         set again, as PyTorch's: the type (this package's ``StateDictType`` or PyTorch's) and
         PyTorch's config classes (``FullStateDictConfig(offload_to_cpu, rank0_only)``, ...; see
         ``api.StateDictSettings``). Returns the previous settings of the outermost unit. Raises
-        TypeError, NotImplementedError (LOCAL_STATE_DICT) or ValueError (a config of the other
-        kind), naming the argument."""
+        TypeError, NotImplementedError (LOCAL_STATE_DICT) or RuntimeError (a config of the other
+        kind, as PyTorch), naming the argument; ValueError for a module without units."""
         settings = StateDictSettings.checked(state_dict_type, state_dict_config, optim_state_dict_config)
         units = units_in(module)
         if not units:
@@ -319,6 +319,11 @@ class FullyShardedDataParallel(ShardedUnit):
         if self._state_dict_settings.state_dict_type == StateDictType.FULL_STATE_DICT:
             return sd.load_full_state_dict(self, state_dict, strict=strict)
         return sd.load_sharded_state_dict(self, state_dict, strict=strict)
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError("a FullyShardedDataParallel model cannot be deep-copied (its parameters are shards "
+                           "tied to a process group): copy the model before wrapping it, or save its state dict "
+                           "and load it into a new one")
 
     def extra_repr(self) -> str:
         return f"sharding_strategy={self.sharding_strategy.name}, flat_params={len(self._handles)}"

@@ -4,11 +4,12 @@ A *unit* is the granularity of communication: one flat parameter (per dtype/requ
 one all-gather in forward, one in backward, one reduce-scatter. Smaller units mean a lower
 peak (fewer parameters gathered at once) and more, smaller collectives.
 
-A policy is called as ``policy(module, recurse, nonwrapped_numel)``: with ``recurse=True``
-it answers "should I look inside this module's children?", with ``recurse=False`` "should
-this module be wrapped?". ``nonwrapped_numel`` counts parameters of the module not already
-inside a wrapped descendant. ``recursive_wrap`` walks bottom-up, so inner units are made
-before the units that contain them.
+A policy is called as ``policy(module, recurse, nonwrapped_numel)``, PyTorch's contract (so
+PyTorch's own policies work here): with ``recurse=True`` it answers "should I look inside this
+module's children?" and ``nonwrapped_numel`` counts every parameter of the module's subtree not
+already in a unit or ignored; with ``recurse=False`` "should this module be wrapped?" and it
+counts what its wrapped children left. ``recursive_wrap`` walks bottom-up, so inner units are
+made before the units that contain them.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
     """
     force_leaf = force_leaf_modules if force_leaf_modules is not None else {nn.MultiheadAttention}
     exclude = exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict}
-    if recurse:
-        return not isinstance(module, tuple(force_leaf))
+    if recurse:  # a subtree below the size holds no child that reaches it
+        return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(force_leaf))
     return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(exclude))
 
 
@@ -67,9 +68,10 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Modul
     """
     if module in ignored or is_wrapped(module):
         return 0
+    subtree = _unwrapped_numel(module, ignored, is_wrapped)
+    if not policy(module, True, subtree):
+        return subtree
     nonwrapped = sum(p.numel() for p in module.parameters(recurse=False))
-    if not policy(module, True, nonwrapped):
-        return sum(p.numel() for p in module.parameters())
     for name, child in list(module.named_children()):
         if child in ignored or is_wrapped(child):
             continue
@@ -79,3 +81,17 @@ def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Modul
         else:
             nonwrapped += child_nonwrapped
     return nonwrapped
+
+
+def _unwrapped_numel(module: nn.Module, ignored: set[nn.Module], is_wrapped: Callable[[nn.Module], bool]) -> int:
+    """Parameters (each counted once) of ``module``'s subtree outside ignored modules and units."""
+    seen: set[int] = set()
+    total, stack = 0, [module]
+    while stack:
+        current = stack.pop()
+        for p in current.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        stack += [c for c in current.children() if c not in ignored and not is_wrapped(c)]
+    return total
