@@ -54,7 +54,8 @@ _MESHES: dict[tuple[str, int], DeviceMesh] = {}
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy = OffloadPolicy()):
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: set[nn.Parameter] | None = None):
     """Shard ``module``'s parameters across ``mesh`` (like ``torch.distributed.fsdp.fully_shard``).
 
     ``module`` may be a list: its modules form one group (one all-gather), e.g. tied
@@ -66,14 +67,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     PyTorch) means True except for the root module, whose parameters would be gathered again
     at once. ``mp_policy``: a bf16 or fp16 model's trainable parameters get float32 master
     shards by default (``main_params_dtype``; PyTorch's FSDP2 keeps them in their own dtype,
-    which ``MixedPrecisionPolicy(main_params_dtype=None)`` gives). Returns ``module`` (now an
-    ``FSDPModule``).
+    which ``MixedPrecisionPolicy(main_params_dtype=None)`` gives). ``ignored_params``: parameters
+    left as they are, as PyTorch's: not sharded, not moved, their gradients not reduced (each
+    rank keeps its own). Returns ``module`` (now an ``FSDPModule``).
 
     Raises:
         ValueError: the module is already an FSDPModule; a parameter is already managed by
             another ``fully_shard`` call; parameters on different devices; a mesh that is not
             1-D or 2-D over the whole world or whose device type differs from the parameters'.
-        TypeError: a non-floating parameter; a bad policy type (PyTorch's
+        TypeError: a non-floating parameter; ``ignored_params`` not a collection of Parameters;
+            a bad policy type (PyTorch's
             ``torch.distributed.fsdp.MixedPrecisionPolicy`` is accepted and converted).
         NotImplementedError: an int ``reshard_after_forward`` (resharding to a smaller group).
         RuntimeError: no default process group.
@@ -83,7 +86,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     _check_args(modules, reshard_after_forward, mp_policy, offload_policy)
     mesh = mesh or _default_mesh()
     device = _check_mesh(mesh)
-    fsdp_params = _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy)
+    ignored = _check_ignored(ignored_params)
+    fsdp_params = _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy, ignored)
     name = ",".join(type(m).__name__ for m in modules)
     group = FSDPParamGroup(fsdp_params, modules, mesh, device, reshard_after_forward is not False,
                            name=name) if fsdp_params else None
@@ -142,8 +146,23 @@ def _check_mesh(mesh: DeviceMesh) -> torch.device:
     return device
 
 
-def _managed_params(modules: list[nn.Module]) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
-    """Parameters of ``modules`` not owned by a sharded submodule -> where each is registered."""
+def _check_ignored(ignored_params) -> set[int]:
+    """The ids of ``ignored_params``; TypeError unless it is None or a collection of Parameters."""
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, (torch.Tensor, nn.Module, str)) or not hasattr(ignored_params, "__iter__"):
+        raise TypeError(f"ignored_params must be a set of nn.Parameters (e.g. {{model.head.weight}}), "
+                        f"got {type(ignored_params).__name__}")
+    ignored = list(ignored_params)
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            raise TypeError(f"ignored_params must hold nn.Parameters, got a {type(p).__name__}")
+    return {id(p) for p in ignored}
+
+
+def _managed_params(modules: list[nn.Module], ignored: set[int] = frozenset()
+                    ) -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
+    """Parameters of ``modules`` not owned by a sharded submodule nor ignored -> where each is registered."""
     found: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     stack = list(modules)
     visited: set[int] = set()
@@ -153,14 +172,14 @@ def _managed_params(modules: list[nn.Module]) -> dict[nn.Parameter, list[tuple[n
             continue
         visited.add(id(m))
         for name, p in m._parameters.items():
-            if p is not None:
+            if p is not None and id(p) not in ignored:
                 found.setdefault(p, []).append((m, name))
         stack += [c for c in m.children() if not isinstance(c, FSDPModule)]
     return found
 
 
-def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy) -> list[FSDPParam]:
-    found = _managed_params(modules)
+def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy, ignored) -> list[FSDPParam]:
+    found = _managed_params(modules, ignored)
     devices = {p.device for p in found}
     if len(devices) > 1:
         raise ValueError(f"the parameters of {type(modules[0]).__name__} are on different devices "
@@ -244,6 +263,11 @@ class FSDPModule:
             for fsdp_param in self._fsdp_state.group.fsdp_params:
                 fsdp_param.reset_sharded_param()
         return module
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(f"{type(self).__name__} is sharded by fully_shard and cannot be deep-copied (its "
+                           f"parameters are shards tied to a process group): copy the model before fully_shard, "
+                           f"or save its state dict and load it into a new one")
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters (modules see the sharded DTensors again)."""
