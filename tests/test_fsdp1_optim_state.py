@@ -13,47 +13,21 @@ import pytest
 import torch
 
 import fsdp_lab
-from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, TransformerBlock
 
-GLOBAL_BATCH, SEQ, TOL = 4, 16, 1e-6
+from _optim_state_cases import TOL, build_model, build_optimizer, max_diff, one_process_run, take_step
+
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 CASES = STRATEGIES + ("qlora",)
 # (case, how it is saved and loaded): NO_SHARD's ranks hold copies, so it has no DCP form
 RESUMED = [(case, how) for case in CASES for how in ("whole", "dcp") if (case, how) != ("NO_SHARD", "dcp")]
 
 
-def _model(case):
-    model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
-    if case == "qlora":
-        from fsdp_lab.qlora import apply_lora
-
-        torch.manual_seed(1)  # the adapters' init draws from the global generator
-        apply_lora(model, rank=4, alpha=8, quantize_base=True)
-    return model
-
-
-def _optimizer(model, reverse=False):
-    """AdamW in two groups, no decay for norms (chosen by name: under FSDP1 every parameter is 1-D);
-    ``reverse``: each group lists its parameters in the opposite order."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1 if reverse else 1]
-    return torch.optim.AdamW([{"params": [p for n, p in trainable if "norm" not in n], "weight_decay": 0.1},
-                              {"params": [p for n, p in trainable if "norm" in n], "weight_decay": 0.0}],
-                             lr=1e-3, eps=1e-4)
-
-
-def _step(model, optimizer, step, rank=0, world=1):
-    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=step), rank, world)
-    model(batch).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def _wrap(case):
     from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
 
     strategy = "FULL_SHARD" if case == "qlora" else case
-    return FullyShardedDataParallel(_model(case), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+    return FullyShardedDataParallel(build_model(case), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                                     sharding_strategy=ShardingStrategy[strategy])
 
 
@@ -75,10 +49,10 @@ def _save_on_two_ranks(folder):
     out = {}
     for case in CASES:
         model = _wrap(case)
-        optimizer = _optimizer(model)
+        optimizer = build_optimizer(model)
         out[(case, "before any step")] = FSDP.optim_state_dict(model, optimizer)
         for step in range(2):
-            _step(model, optimizer, step, rank, world)
+            take_step(model, optimizer, step, rank, world)
         whole = FSDP.optim_state_dict(model, optimizer)
         out[case] = whole
         model_state = model.state_dict()
@@ -88,9 +62,9 @@ def _save_on_two_ranks(folder):
             with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
                 dcp.save({"model": dcp_state_dict(model), "optim": FSDP.optim_state_dict(model, optimizer)},
                          checkpoint_id=f"{folder}/{case}.dcp")
-        fresh = _optimizer(model, reverse=True)  # the same ranks load what they saved, by name
+        fresh = build_optimizer(model, reverse=True)  # the same ranks load what they saved, by name
         fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, whole))
-        _step(model, fresh, 2, rank, world)
+        take_step(model, fresh, 2, rank, world)
         out[(case, "resumed on 2")] = _full_params(model)
     out["errors"] = _errors(f"{folder}/FULL_SHARD.dcp")
     return out if rank == 0 else None
@@ -106,7 +80,7 @@ def _resume(folder, case, how):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _wrap(case)
-    optimizer = _optimizer(model)
+    optimizer = build_optimizer(model)
     if how == "whole":
         saved = torch.load(f"{folder}/{case}.pt", weights_only=True)
         model.load_state_dict(saved["model"])
@@ -116,7 +90,7 @@ def _resume(folder, case, how):
         dcp.load(state, checkpoint_id=f"{folder}/{case}.dcp")
         load_dcp_state_dict(model, state["model"])
         load_dcp_optim_state_dict(model, optimizer, f"{folder}/{case}.dcp")
-    _step(model, optimizer, 2, rank, world)
+    take_step(model, optimizer, 2, rank, world)
     params = _full_params(model)
     return params if rank == 0 else None
 
@@ -132,8 +106,8 @@ def _errors(checkpoint: str) -> dict:
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, StateDictType
 
     model = _wrap("FULL_SHARD")
-    optimizer = _optimizer(model)
-    _step(model, optimizer, 0, dist.get_rank(), dist.get_world_size())
+    optimizer = build_optimizer(model)
+    take_step(model, optimizer, 0, dist.get_rank(), dist.get_world_size())
     whole = FSDP.optim_state_dict(model, optimizer)
 
     def foreign_parameter():
@@ -145,13 +119,13 @@ def _errors(checkpoint: str) -> dict:
 
     def other_model():
         other = FSDP(Llama(LlamaConfig.from_name("cpu", n_layers=2, dim=64), seed=0))
-        bad = _optimizer(other)
+        bad = build_optimizer(other)
         bad.load_state_dict(FSDP.optim_state_dict_to_load(other, bad, whole))
 
     def sharded_copies():
         copies = _wrap("NO_SHARD")
         with FSDP.state_dict_type(copies, StateDictType.SHARDED_STATE_DICT):
-            FSDP.optim_state_dict(copies, _optimizer(copies))
+            FSDP.optim_state_dict(copies, build_optimizer(copies))
 
     def model_of_copies():  # the parameters' own DCP form refuses copies too
         from fsdp_lab.fsdp1 import dcp_state_dict
@@ -159,8 +133,8 @@ def _errors(checkpoint: str) -> dict:
 
     def ranks_differ(sharded=False):  # rank 1 steps SGD with momentum, rank 0 AdamW: other state keys
         other = _wrap("FULL_SHARD")
-        opt = _optimizer(other) if dist.get_rank() == 0 else torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-        _step(other, opt, 0, dist.get_rank(), dist.get_world_size())
+        opt = build_optimizer(other) if dist.get_rank() == 0 else torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+        take_step(other, opt, 0, dist.get_rank(), dist.get_world_size())
         kind = StateDictType.SHARDED_STATE_DICT if sharded else StateDictType.FULL_STATE_DICT
         with FSDP.state_dict_type(other, kind):
             FSDP.optim_state_dict(other, opt)
@@ -199,27 +173,7 @@ def resumed(saved):
 
 @pytest.fixture(scope="module")
 def one_process():
-    """By case: the optimizer state after two steps by parameter name, its groups, and the
-    trainable parameters after the third step."""
-    out = {}
-    for case in CASES:
-        model = _model(case)
-        optimizer = _optimizer(model)
-        for step in range(2):
-            _step(model, optimizer, step)
-        names = {id(p): n for n, p in model.named_parameters()}
-        state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
-        group_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        _step(model, optimizer, 2)
-        out[case] = state, groups, group_names, {n: p.detach().clone() for n, p in model.named_parameters()
-                                                  if p.requires_grad}
-    return out
-
-
-def _max_diff(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    return {case: one_process_run(case) for case in CASES}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -230,7 +184,7 @@ def test_whole_state_equals_one_process_by_name(saved, one_process, case):
     assert whole["state"].keys() == state.keys()
     for name, entry in state.items():
         assert whole["state"][name].keys() == entry.keys()
-        assert _max_diff(whole["state"][name], entry) <= TOL, name
+        assert max_diff(whole["state"][name], entry) <= TOL, name
         assert whole["state"][name]["exp_avg"].shape == entry["exp_avg"].shape
     assert [{k: v for k, v in g.items() if k != "params"} for g in whole["param_groups"]] == groups
     assert [g["params"] for g in whole["param_groups"]] == group_names
@@ -245,13 +199,13 @@ def test_a_fresh_optimizer_has_no_state_to_save(saved, case):
 @pytest.mark.parametrize("case", CASES)
 def test_resuming_on_the_same_ranks_matches_one_process(saved, one_process, case):
     _, results = saved
-    assert _max_diff(results[(case, "resumed on 2")], one_process[case][3]) <= TOL
+    assert max_diff(results[(case, "resumed on 2")], one_process[case][3]) <= TOL
 
 
 @pytest.mark.parametrize("world", (1, 4))
 @pytest.mark.parametrize("case,how", RESUMED)
 def test_resuming_on_another_world_size_matches_one_process(resumed, one_process, world, case, how):
-    assert _max_diff(resumed[world][(case, how)], one_process[case][3]) <= TOL
+    assert max_diff(resumed[world][(case, how)], one_process[case][3]) <= TOL
 
 
 @pytest.mark.parametrize("case,error,words", [

@@ -15,41 +15,16 @@ import pytest
 import torch
 
 import fsdp_lab
-from fsdp_lab.models.data import global_batch, shard_batch
-from fsdp_lab.models.llama import Llama, LlamaConfig
 
-GLOBAL_BATCH, SEQ, TOL = 4, 16, 1e-6
+from _optim_state_cases import TOL, build_model, build_optimizer, max_diff, one_process_run, take_step
+
 CASES = ("plain", "qlora")
-
-
-def _model(case):
-    model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
-    if case == "qlora":
-        from fsdp_lab.qlora import apply_lora
-
-        torch.manual_seed(1)
-        apply_lora(model, rank=4, alpha=8, quantize_base=True)
-    return model
-
-
-def _optimizer(model):
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return torch.optim.AdamW([{"params": [p for n, p in trainable if "norm" not in n], "weight_decay": 0.1},
-                              {"params": [p for n, p in trainable if "norm" in n], "weight_decay": 0.0}],
-                             lr=1e-3, eps=1e-4)
-
-
-def _step(model, optimizer, step, rank=0, world=1):
-    batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=step), rank, world)
-    model(batch).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def _wrap(case):
     from fsdp_lab.fsdp2 import fully_shard
 
-    model = _model(case)
+    model = build_model(case)
     for layer in model.layers:
         fully_shard(layer)
     return fully_shard(model)
@@ -77,9 +52,9 @@ def _save_on_two_ranks(folder):
     out = {}
     for case in CASES:
         model = _wrap(case)
-        optimizer = _optimizer(model)
+        optimizer = build_optimizer(model)
         for step in range(2):
-            _step(model, optimizer, step, rank, world)
+            take_step(model, optimizer, step, rank, world)
         whole = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                      cpu_offload=True))
         if rank == 0:
@@ -101,8 +76,8 @@ def _resume(folder):
     for case in CASES:
         for how in ("whole", "dcp"):
             model = _wrap(case)
-            optimizer = _optimizer(model)
-            _step(model, optimizer, 7, rank, world)  # some other state, to be replaced
+            optimizer = build_optimizer(model)
+            take_step(model, optimizer, 7, rank, world)  # some other state, to be replaced
             state = {"model": _model_state(model), "optim": optimizer.state_dict()}
             dcp.load(state, checkpoint_id=f"{folder}/{case}")
             load_dcp_state_dict(model, state["model"])
@@ -112,7 +87,7 @@ def _resume(folder):
                 whole = torch.load(f"{folder}/{case}.pt", weights_only=True) if rank == 0 else {}
                 set_optimizer_state_dict(model, optimizer, whole, options=StateDictOptions(
                     full_state_dict=True, broadcast_from_rank0=True))
-            _step(model, optimizer, 2, rank, world)
+            take_step(model, optimizer, 2, rank, world)
             out[(case, how)] = _trained(model)
     return out if rank == 0 else None
 
@@ -132,37 +107,22 @@ def resumed(saved):
 
 @pytest.fixture(scope="module")
 def one_process():
-    out = {}
-    for case in CASES:
-        model = _model(case)
-        optimizer = _optimizer(model)
-        for step in range(2):
-            _step(model, optimizer, step)
-        names = {id(p): n for n, p in model.named_parameters()}
-        state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
-        _step(model, optimizer, 2)
-        out[case] = state, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return out
-
-
-def _max_diff(got: dict, want: dict) -> float:
-    assert got.keys() == want.keys()
-    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    return {case: one_process_run(case) for case in CASES}
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_whole_optimizer_state_by_name_equals_one_process(saved, one_process, case):
     _, results = saved
-    state, _ = one_process[case]
+    state = one_process[case][0]
     whole = results[case]["state"]
     assert whole.keys() == state.keys()
     for name, entry in state.items():
         assert whole[name]["exp_avg"].shape == entry["exp_avg"].shape
-        assert _max_diff(whole[name], entry) <= TOL, name
+        assert max_diff(whole[name], entry) <= TOL, name
 
 
 @pytest.mark.parametrize("world", (1, 4))
 @pytest.mark.parametrize("how", ("whole", "dcp"))
 @pytest.mark.parametrize("case", CASES)
 def test_resuming_on_another_world_size_matches_one_process(resumed, one_process, world, how, case):
-    assert _max_diff(resumed[world][(case, how)], one_process[case][1]) <= TOL
+    assert max_diff(resumed[world][(case, how)], one_process[case][3]) <= TOL
