@@ -315,6 +315,30 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_forward = reshard_after_forward
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce this module's gradients to the ranks' sum divided by ``factor`` (a positive
+        number) instead of their mean, e.g. 1.0 for a loss already normalised by a global token
+        count (PyTorch's method: this module's own groups, not its children's).
+        Raises TypeError or ValueError for anything but a positive number."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(f"factor must be a number, got {factor!r}")
+        if not factor > 0:
+            raise ValueError(f"factor must be positive, got {factor}; 1.0 sums the ranks' gradients")
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """PyTorch's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """True: the reduce-scatter (and HSDP's all-reduce) sum, and the mean or the divide factor
+        is applied after them, as PyTorch's method (this module's own groups). Raises TypeError
+        for anything but a bool."""
+        check_bool("enable", enable)
+        for group in self._groups(recurse=False):
+            group.force_sum_reduction_for_comms = enable
+
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """In forward, right after this module's all-gather, issue those of ``modules``."""
         self._fsdp_state.forward_prefetch = _states_of(modules)

@@ -67,16 +67,20 @@ class _ReduceScatter:
     """A reduce-scatter in flight; ``wait()`` hands each parameter its reduced rows."""
 
     def __init__(self, handle, input, output, output_is_temporary, params, split_numels,
-                 replicate_group=None, name=""):
+                 replicate_group=None, name="", divide_by: float | None = None):
         self.handle, self.input, self.output, self.params = handle, input, output, params
         self.output_is_temporary, self.split_numels = output_is_temporary, split_numels
         self.replicate_group, self.name = replicate_group, name
+        self.divide_by = divide_by  # None: the collectives averaged; else they summed, divide here
 
     def wait(self) -> None:
         self.handle.wait()
         collectives.release(self.input)
-        if self.replicate_group is not None:  # HSDP: average the shard over the replicas
-            collectives.all_reduce(self.output, op="avg", group=self.replicate_group, meta={"module": self.name})
+        if self.replicate_group is not None:  # HSDP: average (or sum) the shard over the replicas
+            collectives.all_reduce(self.output, op="avg" if self.divide_by is None else "sum",
+                                   group=self.replicate_group, meta={"module": self.name})
+        if self.divide_by is not None and self.divide_by != 1:
+            self.output.div_(self.divide_by)
         for fsdp_param, shard in zip(self.params, torch.split(self.output, self.split_numels)):
             fsdp_param.accumulate_sharded_grad(shard)
         if self.output_is_temporary and not any(_holds(p, self.output) for p in self.params):
@@ -106,6 +110,10 @@ class FSDPParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        # PyTorch's FSDPModule knobs: gradients = the ranks' sum / this (None: the mean), and
+        # whether the collectives must sum (dividing apart) even when they could average
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction_for_comms = False
         self.name = name
         # frozen when sharded, in a narrower master dtype than training would give: said once if trained
         self._frozen_narrower = [p for p in fsdp_params if p.trained_master_dtype is not None]
@@ -259,14 +267,18 @@ class FSDPParamGroup:
         temporary = any(p.dtypes.accumulation != wire_dtype or p.dtypes.master != wire_dtype for p in params)
         output = tag(torch.empty(sum(split_numels), dtype=wire_dtype, device=self.device),
                      "comm_buffers" if temporary else "sharded_grads")
-        op = "avg" if self.world_size > 1 else "sum"
+        replicas = self.mesh.size(0) if self.replicate_group is not None else 1
+        divide_by = self.gradient_divide_factor
+        if divide_by is None and self.force_sum_reduction_for_comms:
+            divide_by = float(self.world_size * replicas)
+        op = "avg" if self.world_size > 1 and divide_by is None else "sum"
         sync_points.fire("reduce_scatter", self.name)
         handle = collectives.reduce_scatter_tensor(output, flat_input, op=op, group=self.group, async_op=True,
                                                    meta={"module": self.name})
         if _SYNCHRONOUS:
             handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
         return _ReduceScatter(handle, flat_input, output, temporary, params, split_numels,
-                              self.replicate_group, self.name)
+                              self.replicate_group, self.name, divide_by)
 
     # -- inspection --------------------------------------------------------------------------
     def unsharded_bytes(self) -> int:
