@@ -8,8 +8,8 @@ A policy is called as ``policy(module, recurse, nonwrapped_numel)``, PyTorch's c
 PyTorch's own policies work here): with ``recurse=True`` it answers "should I look inside this
 module's children?" and ``nonwrapped_numel`` counts every parameter of the module's subtree not
 already in a unit or ignored; with ``recurse=False`` "should this module be wrapped?" and it
-counts what its wrapped children left. ``recursive_wrap`` walks bottom-up, so inner units are
-made before the units that contain them.
+counts what its wrapped descendants left. A module not looked into is not wrapped either.
+``recursive_wrap`` walks bottom-up, so inner units are made before the units that contain them.
 """
 
 from __future__ import annotations
@@ -60,38 +60,48 @@ class ModuleWrapPolicy:
 
 def recursive_wrap(module: nn.Module, policy: Callable, wrap: Callable[[nn.Module], nn.Module],
                    ignored: set[nn.Module], is_wrapped: Callable[[nn.Module], bool]) -> int:
-    """Replace, bottom-up, each child of ``module`` that ``policy`` selects with ``wrap(child)``.
+    """Replace, bottom-up, each descendant of ``module`` that ``policy`` selects with ``wrap(it)``,
+    PyTorch's ``_recursive_wrap``: a module is looked into only if ``policy(m, True, n)`` says so
+    (``n``: its subtree's parameters not ignored nor in a unit, each counted once), and wrapped
+    if ``policy(m, False, n - wrapped below)`` says so; a module not looked into is not wrapped.
 
-    ``module`` itself is not wrapped here (the caller wraps the root). Returns the number of
-    parameters of ``module`` left unwrapped. Ignored modules and already wrapped units are
-    skipped (their parameters do not count).
+    ``module`` itself is not wrapped here (the caller wraps the root). ``ignored``: every module
+    of the ignored subtrees (their parameters count for nothing, also where shared). Returns the
+    number of parameters wrapped in new units below ``module``.
     """
+    ignored_params = {id(p) for m in ignored for p in m.parameters(recurse=False)}
+    return _wrap(module, policy, wrap, ignored, ignored_params, is_wrapped, root=True)[1]
+
+
+def _wrap(module, policy, wrap, ignored, ignored_params, is_wrapped, root=False) -> tuple[nn.Module, int]:
+    """(the module, wrapped or not; how many of its parameters are now in units)."""
     if module in ignored or is_wrapped(module):
-        return 0
-    subtree = _unwrapped_numel(module, ignored, is_wrapped)
-    if not policy(module, True, subtree):
-        return subtree
-    nonwrapped = sum(p.numel() for p in module.parameters(recurse=False))
+        return module, 0
+    total = _unwrapped_numel(module, ignored_params, is_wrapped)
+    if not policy(module, True, total):
+        return module, 0
+    wrapped = 0
     for name, child in list(module.named_children()):
-        if child in ignored or is_wrapped(child):
+        if child in ignored:
             continue
-        child_nonwrapped = recursive_wrap(child, policy, wrap, ignored, is_wrapped)
-        if policy(child, False, child_nonwrapped):
-            setattr(module, name, wrap(child))
-        else:
-            nonwrapped += child_nonwrapped
-    return nonwrapped
+        new_child, count = _wrap(child, policy, wrap, ignored, ignored_params, is_wrapped)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        wrapped += count
+    if not root and policy(module, False, total - wrapped):
+        return wrap(module), total
+    return module, wrapped
 
 
-def _unwrapped_numel(module: nn.Module, ignored: set[nn.Module], is_wrapped: Callable[[nn.Module], bool]) -> int:
-    """Parameters (each counted once) of ``module``'s subtree outside ignored modules and units."""
+def _unwrapped_numel(module: nn.Module, ignored_params: set[int], is_wrapped: Callable[[nn.Module], bool]) -> int:
+    """Parameters (each counted once) of ``module``'s subtree that are neither ignored nor in a unit."""
     seen: set[int] = set()
     total, stack = 0, [module]
     while stack:
         current = stack.pop()
         for p in current.parameters(recurse=False):
-            if id(p) not in seen:
+            if id(p) not in seen and id(p) not in ignored_params:
                 seen.add(id(p))
                 total += p.numel()
-        stack += [c for c in current.children() if c not in ignored and not is_wrapped(c)]
+        stack += [c for c in current.children() if not is_wrapped(c)]
     return total
