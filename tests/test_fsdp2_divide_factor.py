@@ -4,7 +4,8 @@ By default FSDP2 averages gradients over the ranks; with a divide factor f each 
 sum of the ranks' gradients divided by f (f = 1: the sum, for a loss normalised by a global
 token count). The references are independent of the code under test: one process summing the
 gradients of each rank's half batch, and PyTorch's ``fully_shard`` with the same settings where
-gloo runs them (with a divide factor PyTorch's reduces with NCCL's PREMUL_SUM, which gloo lacks).
+gloo runs them (a divide factor without forced sums makes PyTorch's reduce with NCCL's
+PREMUL_SUM, which gloo lacks).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ WORLD, TOL = 2, 1e-6
 SETTINGS = [(None, False), (None, True), (1.0, True), (4.0, False)]  # (divide factor, force sum)
 
 
-def _grads(fully_shard, factor, force_sum, hsdp=False):
+def _grads(fully_shard, factor, force_sum, hsdp=False, only_root=False):
     """Whole gradients after one backward of this rank's part of the batch, under these
     settings (``hsdp``: 2 replicas x 2 shards)."""
     import torch.distributed as dist
@@ -35,7 +36,7 @@ def _grads(fully_shard, factor, force_sum, hsdp=False):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for module in [*model.layers, model]:  # per module, as in PyTorch: each call sets its own groups
+    for module in [model] if only_root else [*model.layers, model]:  # each call sets its module's own groups
         if factor is not None:
             module.set_gradient_divide_factor(factor)
         module.set_force_sum_reduction_for_comms(force_sum)
@@ -53,9 +54,10 @@ def _ranks():
             fully_shard(torch.nn.Linear(2, 2)).set_gradient_divide_factor(bad)
         except (TypeError, ValueError) as e:
             out["errors"].append(f"{type(e).__name__}: {e}")
+    out["root only"] = _grads(fully_shard, 1.0, False, only_root=True)
     for factor, force_sum in SETTINGS:
         out[("ours", factor, force_sum)] = _grads(fully_shard, factor, force_sum)
-        if TORCH_FSDP2_ON_CPU and factor is None:  # with a factor PyTorch's uses PREMUL_SUM, which gloo lacks
+        if TORCH_FSDP2_ON_CPU and (factor is None or force_sum):  # else PyTorch's uses PREMUL_SUM, not on gloo
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
             out[("torch", factor, force_sum)] = _grads(torch_fully_shard, factor, force_sum)
     return out
@@ -101,7 +103,7 @@ def test_gradients_are_the_ranks_sum_divided_by_the_factor(ranks, summed, factor
 
 
 @needs_torch_fsdp2_on_cpu
-@pytest.mark.parametrize("factor,force_sum", [s for s in SETTINGS if s[0] is None])
+@pytest.mark.parametrize("factor,force_sum", [s for s in SETTINGS if s[0] is None or s[1]])
 def test_gradients_match_pytorch(ranks, factor, force_sum):
     ours, theirs = ranks[("ours", factor, force_sum)], ranks[("torch", factor, force_sum)]
     for name in ours:
@@ -112,3 +114,10 @@ def test_a_divide_factor_must_be_a_positive_number(ranks):
     assert ranks["errors"] == ["ValueError: factor must be positive, got 0.0; 1.0 sums the ranks' gradients",
                                "TypeError: factor must be a number, got '2'",
                                "TypeError: factor must be a number, got True"]
+
+
+def test_the_factor_is_the_modules_own_not_its_childrens(ranks, summed):
+    got = ranks["root only"]
+    for name, total in summed.items():
+        expected = total / WORLD if name.startswith("layers.") else total  # the blocks keep the mean
+        torch.testing.assert_close(got[name], expected, rtol=0, atol=TOL, msg=name)

@@ -174,6 +174,19 @@ def _generate_under_mixed_precision(family, layer_cls, rank, world) -> dict:
     ids = batch(0, rank, world)
     model(input_ids=ids, labels=ids).loss.backward()  # the refusal left every unit ready to train
     out["trains after"] = True
+    # a bf16 model (and a bf16 QLoRA one): float32 masters by default, its own dtype with main_params_dtype=None
+    for name, build in (("bf16", lambda: tiny_model(family).to(torch.bfloat16)),
+                        ("bf16 qlora", lambda: qlora(tiny_model(family).to(torch.bfloat16)))):
+        for masters in ("float32", "own"):
+            policy = MixedPrecision(main_params_dtype=None) if masters == "own" else None
+            wrapped = FullyShardedDataParallel(build(), auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+                                               mixed_precision=policy)
+            for recurse in (False, True):
+                try:
+                    with FullyShardedDataParallel.summon_full_params(wrapped, recurse=recurse, writeback=False):
+                        out[(name, masters, recurse)] = greedy(wrapped.module)
+                except RuntimeError as e:
+                    out[(name, masters, recurse)] = str(e)
     return out
 
 
@@ -254,6 +267,21 @@ def test_generate_under_bf16_needs_every_unit_summoned(suite):
     assert mixed["all summoned"].tolist() == reference and mixed["rank 0 alone"].tolist() == reference
     assert "computes in torch.bfloat16 but runs inside summon_full_params(recurse=False)" in mixed["root summoned"]
     assert "recurse=True" in mixed["root summoned"] and mixed["trains after"]
+
+
+def test_generate_from_a_bf16_model_keeps_its_masters_in_bf16(suite):
+    mixed = suite["fsdp1 bf16"]
+    family = FAMILIES[0]
+    for name, build in (("bf16", lambda: tiny_model(family).to(torch.bfloat16)),
+                        ("bf16 qlora", lambda: qlora(tiny_model(family).to(torch.bfloat16)))):
+        reference = greedy(build()).tolist()
+        for recurse in (False, True):  # masters in the model's own dtype: one dtype throughout
+            assert mixed[(name, "own", recurse)].tolist() == reference, (name, recurse)
+        # float32 masters (the default) cannot meet the bf16 compute: named errors, not a dtype clash
+        assert "computes in torch.bfloat16 but runs inside summon_full_params(recurse=False)" in \
+            mixed[(name, "float32", False)]
+    assert isinstance(mixed[("bf16", "float32", True)], torch.Tensor)  # all float32 inside: it runs
+    assert "MixedPrecision(main_params_dtype=None)" in mixed[("bf16 qlora", "float32", True)]
 
 
 def test_generate_with_qlora_under_fsdp1_matches_one_process(suite, references):

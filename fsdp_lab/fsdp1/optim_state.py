@@ -248,8 +248,8 @@ def load_dcp_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                 continue
             if "." in state_key:
                 raise ValueError(f"{flat_key}: the optimizer state of {name} holds a container ({state_key!r}); "
-                                 f"load_dcp_optim_state_dict takes tensors and plain values per state key, as "
-                                 f"torch.optim's optimizers keep")
+                                 f"load_dcp_optim_state_dict takes one tensor or plain value per state key; save "
+                                 f"such an optimizer's whole state (FULL_STATE_DICT) instead")
             where[flat_key] = (name, state_key)
             if not isinstance(meta, TensorStorageMetadata):
                 flat[flat_key] = None

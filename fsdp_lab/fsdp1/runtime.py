@@ -257,6 +257,7 @@ class ShardedUnit(nn.Module):
             raise RuntimeError(f"{self._name}: forward inside summon_full_params(rank0_only=True) on a rank "
                                f"other than 0, whose parameters stay sharded: summon every unit (recurse=True) "
                                f"and run the model on rank 0 only, or summon with rank0_only=False")
+        self._check_summoned_dtypes()
         if torch.is_grad_enabled() and any(h.requires_grad for h in self._handles):
             raise RuntimeError(f"{self._name}: a forward with gradients inside summon_full_params: the whole "
                                f"parameters there are a temporary copy, so no gradient would reach the shards. "
@@ -264,13 +265,29 @@ class ShardedUnit(nn.Module):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
     def _check_dtype_under_summoned(self) -> None:
-        """RuntimeError when this unit would compute in its ``param_dtype`` between the enclosing
-        unit's summoned full-precision parameters (their activations meet in one matmul)."""
-        compute = self.mixed_precision.param_dtype
-        if compute is not None and any(h.dtype != compute for h in self._handles if hasattr(h, "dtype")):
-            raise RuntimeError(f"{self._name} computes in {compute} but runs inside summon_full_params(recurse=False) "
-                               f"of an enclosing unit, whose parameters are whole in full precision there: the two "
-                               f"dtypes would meet. With a mixed-precision policy summon every unit (recurse=True)")
+        """RuntimeError when this unit computes in another dtype than its master one (a policy's
+        ``param_dtype``, or a bf16 model's float32 masters) while an enclosing unit is summoned:
+        the enclosing unit's whole parameters are in the master dtype, and the two would meet."""
+        widened = [h for h in self._handles if hasattr(h, "compute_dtype") and h.compute_dtype != h.dtype]
+        if widened:
+            raise RuntimeError(f"{self._name} computes in {widened[0].compute_dtype} but runs inside "
+                               f"summon_full_params(recurse=False) of an enclosing unit, whose parameters are whole "
+                               f"in their master dtype {widened[0].dtype} there: the two dtypes would meet. Summon "
+                               f"every unit (recurse=True)")
+
+    def _check_summoned_dtypes(self) -> None:
+        """RuntimeError when this summoned unit holds parameters of several dtypes because some
+        were widened to float32 masters (e.g. a bf16 QLoRA model's adapters beside its bf16 NF4
+        weights): a forward would mix them, where the model itself has one dtype."""
+        widened = [h for h in self._handles if hasattr(h, "compute_dtype") and h.compute_dtype != h.dtype]
+        dtypes = {info.param.dtype for h in self._handles for info in h.infos if info.param.is_floating_point()}
+        if widened and len(dtypes) > 1:
+            names = ", ".join(sorted(str(d) for d in dtypes))
+            raise RuntimeError(f"{self._name}: inside summon_full_params its parameters are in their master dtypes "
+                               f"({names}), which would meet in one forward, where the model computes in "
+                               f"{widened[0].compute_dtype}. Keep the masters in the model's dtype "
+                               f"(MixedPrecision(main_params_dtype=None)), or run a plain model loaded with the "
+                               f"full state dict")
 
     def _unshard(self) -> None:
         """Issue the all-gathers of this unit's flat parameters (asynchronous)."""

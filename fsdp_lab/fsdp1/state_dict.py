@@ -72,7 +72,7 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
         assert_in_states(unit.training_state, TrainingState.IDLE, where=f"summon_full_params of {unit._name}")
     materialize = not rank0_only or dist.get_rank() == 0
     with contextlib.ExitStack() as stack:  # a failed gather unwinds the handles already whole
-        for inner in units_in(model)[len(units):]:  # recurse=False: the units left sharded inside
+        for inner in (units_in(units[0])[1:] if units and not recurse else []):  # left sharded inside
             inner._under_summoned = True
             stack.callback(setattr, inner, "_under_summoned", False)
         for unit in units:
