@@ -401,7 +401,10 @@ def _part_forward_method():
         model = _shard_llama(EnergyLlama(_config(), seed=0), fs)
         register = register_fsdp_forward_method
         if impl == "torch":
-            from torch.distributed.fsdp import register_fsdp_forward_method as register
+            import torch.distributed.fsdp as torch_fsdp
+            register = getattr(torch_fsdp, "register_fsdp_forward_method", None)
+            if register is None:  # an older torch
+                continue
         register(model, "hidden_energy")
         _train_two_entry_points(model, dist.get_rank(), dist.get_world_size())
         out[f"forward_method_{impl}"] = {"local": _local_state(model),

@@ -49,9 +49,12 @@ MODELS = {"llama": lambda: Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=
           "tied llama": lambda: Llama(LlamaConfig.from_name("cpu-tied", n_layers=2), seed=0),
           "shared module": SharedModule, "shared weight": SharedWeight}
 IGNORED = {"none": lambda m: [], "first child": lambda m: [next(m.children())]}
-SIZE_SETTINGS = [dict(min_num_params=n, **extra) for n in (100, 7000, 20000, 184576)
-                 for extra in ({}, {"force_leaf_modules": {nn.Sequential}},
-                               {"exclude_wrap_modules": {TransformerBlock, nn.ModuleList}})]
+# (test id, settings): ids spelled out, since a set's order (and so str) differs between processes
+SIZE_SETTINGS = [(f"min{n}{label}", dict(min_num_params=n, **extra)) for n in (100, 7000, 20000, 184576)
+                 for label, extra in (("", {}), ("-leaf-Sequential", {"force_leaf_modules": {nn.Sequential}}),
+                                      ("-exclude-Block-ModuleList",
+                                       {"exclude_wrap_modules": {TransformerBlock, nn.ModuleList}}))]
+CLASS_SETS = {"Block": {TransformerBlock}, "Linear": {nn.Linear}, "Sequential-MHA": {nn.Sequential, nn.MultiheadAttention}}
 
 
 def _units(model) -> list[str]:
@@ -74,7 +77,7 @@ def _pytorchs(build, policy, ignore):
 
 
 @pytest.mark.parametrize("ignore", IGNORED)
-@pytest.mark.parametrize("settings", SIZE_SETTINGS, ids=str)
+@pytest.mark.parametrize("settings", [s for _, s in SIZE_SETTINGS], ids=[i for i, _ in SIZE_SETTINGS])
 @pytest.mark.parametrize("model", MODELS)
 def test_size_based_policy_wraps_as_in_pytorch(model, settings, ignore):
     expected = _pytorchs(MODELS[model], functools.partial(torch_wrap.size_based_auto_wrap_policy, **settings), ignore)
@@ -87,8 +90,9 @@ def test_size_based_policy_wraps_as_in_pytorch(model, settings, ignore):
 
 @pytest.mark.parametrize("ignore", IGNORED)
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("classes", [{TransformerBlock}, {nn.Linear}, {nn.Sequential, nn.MultiheadAttention}], ids=str)
+@pytest.mark.parametrize("classes", CLASS_SETS)
 def test_class_policies_wrap_as_in_pytorch(model, classes, ignore):
+    classes = CLASS_SETS[classes]
     expected = _pytorchs(MODELS[model], torch_wrap.ModuleWrapPolicy(classes), ignore)
     assert _ours(MODELS[model], wrap.ModuleWrapPolicy(classes), ignore) == expected
     transformer = functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls=classes)

@@ -302,6 +302,8 @@ def test_registered_forward_method_trains_like_one_process(extras):
 
 
 def test_registered_forward_method_matches_torch(extras, torch_fsdp2_reference):
+    if "forward_method_torch" not in extras:
+        pytest.skip(f"torch {torch.__version__} has no register_fsdp_forward_method")
     assert _max_diff(extras["forward_method_ours"]["local"], extras["forward_method_torch"]["local"]) <= TOL
 
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.fsdp
 
 import fsdp_lab
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig
 
-from _torch_reference import TORCH_FSDP2_ON_CPU, needs_torch_fsdp2_on_cpu
+from _torch_reference import TORCH_FSDP2_ON_CPU
 
 WORLD, TOL = 2, 1e-6
+_TORCH_HAS_THE_METHODS = TORCH_FSDP2_ON_CPU and all(
+    hasattr(torch.distributed.fsdp.FSDPModule, m) for m in ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms"))
 SETTINGS = [(None, False), (None, True), (1.0, True), (4.0, False)]  # (divide factor, force sum)
 
 
@@ -57,7 +60,7 @@ def _ranks():
     out["root only"] = _grads(fully_shard, 1.0, False, only_root=True)
     for factor, force_sum in SETTINGS:
         out[("ours", factor, force_sum)] = _grads(fully_shard, factor, force_sum)
-        if TORCH_FSDP2_ON_CPU and (factor is None or force_sum):  # else PyTorch's uses PREMUL_SUM, not on gloo
+        if _TORCH_HAS_THE_METHODS and (factor is None or force_sum):  # else PyTorch's uses PREMUL_SUM, not on gloo
             from torch.distributed.fsdp import fully_shard as torch_fully_shard
             out[("torch", factor, force_sum)] = _grads(torch_fully_shard, factor, force_sum)
     return out
@@ -102,9 +105,9 @@ def test_gradients_are_the_ranks_sum_divided_by_the_factor(ranks, summed, factor
         torch.testing.assert_close(got[name], total / divide, rtol=0, atol=TOL, msg=name)
 
 
-@needs_torch_fsdp2_on_cpu
+@pytest.mark.skipif(not _TORCH_HAS_THE_METHODS, reason=f"torch {torch.__version__}'s FSDPModule lacks them")
 @pytest.mark.parametrize("factor,force_sum", [s for s in SETTINGS if s[0] is None or s[1]])
-def test_gradients_match_pytorch(ranks, factor, force_sum):
+def test_gradients_match_pytorch(ranks, torch_fsdp2_reference, factor, force_sum):
     ours, theirs = ranks[("ours", factor, force_sum)], ranks[("torch", factor, force_sum)]
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=TOL, msg=name)
