@@ -73,9 +73,10 @@ def _as_is(value):
     return value.detach().clone() if torch.is_tensor(value) else copy.deepcopy(value)
 
 
-def _named_groups(optimizer: torch.optim.Optimizer, names: list[str]) -> list[dict]:
+def _named_groups(saved_groups: list[dict], names: list[str]) -> list[dict]:
+    """``optimizer.state_dict()["param_groups"]`` with parameter names in place of indices."""
     groups, position = [], 0
-    for group in optimizer.state_dict()["param_groups"]:
+    for group in saved_groups:
         count = len(group["params"])
         groups.append({**copy.deepcopy({k: v for k, v in group.items() if k != "params"}),
                        "params": names[position:position + count]})
@@ -109,7 +110,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     state: dict[str, dict] = {}
     parts: dict[tuple, dict[int, torch.Tensor]] = {}  # (handle number, key, dtype) -> {index: this rank's part}
     owners: dict[tuple[int, int], str] = {}           # (handle number, index) -> parameter name
-    for i, saved in optimizer.state_dict()["state"].items():
+    saved_state = optimizer.state_dict()
+    for i, saved in saved_state["state"].items():
         param, name, entry = params[i], names[i], managed.get(id(params[i]))
         state[name] = {}
         for key, value in saved.items():
@@ -139,7 +141,7 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     if offload_to_cpu:
         state = {name: {k: v.cpu() if torch.is_tensor(v) else v for k, v in entry.items()}
                  for name, entry in state.items()}
-    return {"state": state, "param_groups": _named_groups(optimizer, names)}
+    return {"state": state, "param_groups": _named_groups(saved_state["param_groups"], names)}
 
 
 def _settings(model: nn.Module) -> StateDictSettings:
@@ -175,7 +177,7 @@ def optim_state_dict_to_load(model: nn.Module, optimizer: torch.optim.Optimizer,
         optim_state_dict = box[0]
     names, params, managed = _names(model, optimizer), _params_of(optimizer), _managed(model)
     groups = optim_state_dict["param_groups"]
-    ours = _named_groups(optimizer, names)
+    ours = _named_groups(optimizer.state_dict()["param_groups"], names)
     if [sorted(g["params"]) for g in groups] != [sorted(g["params"]) for g in ours]:
         raise ValueError("the saved parameter groups name other parameters than the optimizer's: build the "
                          "optimizer with the same groups over the same model before loading")

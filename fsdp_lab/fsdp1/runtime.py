@@ -264,11 +264,15 @@ class ShardedUnit(nn.Module):
                                f"Run it under torch.no_grad() (as generate() does), or outside the block to train")
         return self._fsdp_wrapped_module(*args, **kwargs)
 
+    def _widened_handles(self) -> list[FlatHandle]:
+        """Handles whose shard (master) dtype is not the dtype they compute in."""
+        return [h for h in self._handles if hasattr(h, "compute_dtype") and h.compute_dtype != h.dtype]
+
     def _check_dtype_under_summoned(self) -> None:
         """RuntimeError when this unit computes in another dtype than its master one (a policy's
         ``param_dtype``, or a bf16 model's float32 masters) while an enclosing unit is summoned:
         the enclosing unit's whole parameters are in the master dtype, and the two would meet."""
-        widened = [h for h in self._handles if hasattr(h, "compute_dtype") and h.compute_dtype != h.dtype]
+        widened = self._widened_handles()
         if widened:
             raise RuntimeError(f"{self._name} computes in {widened[0].compute_dtype} but runs inside "
                                f"summon_full_params(recurse=False) of an enclosing unit, whose parameters are whole "
@@ -279,7 +283,7 @@ class ShardedUnit(nn.Module):
         """RuntimeError when this summoned unit holds parameters of several dtypes because some
         were widened to float32 masters (e.g. a bf16 QLoRA model's adapters beside its bf16 NF4
         weights): a forward would mix them, where the model itself has one dtype."""
-        widened = [h for h in self._handles if hasattr(h, "compute_dtype") and h.compute_dtype != h.dtype]
+        widened = self._widened_handles()
         dtypes = {info.param.dtype for h in self._handles for info in h.infos if info.param.is_floating_point()}
         if widened and len(dtypes) > 1:
             names = ", ".join(sorted(str(d) for d in dtypes))
