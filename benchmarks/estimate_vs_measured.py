@@ -28,7 +28,8 @@ import torch
 
 from fsdp_lab import launch, simulated_world
 from fsdp_lab.dist import current_device
-from fsdp_lab.memory.estimate import estimate, measure_step
+from fsdp_lab.memory.estimate import estimate
+from fsdp_lab.memory.measure import measure_step
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

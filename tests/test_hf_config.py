@@ -1,8 +1,9 @@
 """``LlamaConfig.from_hf`` and ``fsdp-lab estimate --config``: your own model's shapes from its config.json.
 
 The reference is independent of the code under test: ``transformers`` builds the same model on
-the meta device (no memory), and its parameter count and shapes must be ours; Llama-2-7B's count
-is the published one (6,738,415,616).
+the meta device (no memory), and its parameter count and shapes must be ours; with its weights
+copied into ours, its logits must be ours; Llama-2-7B's, Qwen2.5-7B's and Qwen3-0.6B's counts are
+the published ones.
 """
 
 from __future__ import annotations
@@ -27,10 +28,24 @@ def _hf_parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())  # a tied weight once, as count_parameters
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("mistral", False)])
+def _hf_config(family: str, **fields):
+    """A small config of ``family``; "mistral-nemo" is Mistral with heads wider than hidden/heads."""
+    if family == "mistral-nemo":
+        return transformers.MistralConfig(**SMALL, head_dim=24, **fields)
+    if family == "qwen3":  # Qwen3's heads are set apart from hidden_size too
+        return transformers.Qwen3Config(**SMALL, head_dim=12, **fields)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    return cls(**SMALL, **fields)
+
+
+FAMILIES = [("llama", False), ("llama", True), ("mistral", False), ("mistral-nemo", False),
+            ("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True)]
+
+
+@pytest.mark.parametrize("family,tied", FAMILIES)
 def test_small_configs_give_the_transformers_models_shapes(family, tied):
-    cls = transformers.LlamaConfig if family == "llama" else transformers.MistralConfig
-    hf = cls(**SMALL, tie_word_embeddings=tied, rms_norm_eps=1e-5)
+    hf = _hf_config(family, tie_word_embeddings=tied, rms_norm_eps=1e-5)
     config = LlamaConfig.from_hf(hf)
     assert count_parameters(config) == _hf_parameter_count(hf)
     with torch.device("meta"):
@@ -38,6 +53,66 @@ def test_small_configs_give_the_transformers_models_shapes(family, tied):
     our_shapes = sorted(tuple(p.shape) for p in ours.parameters())
     assert our_shapes == sorted(tuple(p.shape) for p in theirs.parameters())
     assert (config.n_kv_heads, config.norm_eps, config.max_seq_len, config.tie_embeddings) == (2, 1e-5, 64, tied)
+    assert (config.qkv_bias, config.qk_norm) == (family == "qwen2", family == "qwen3")
+    assert config.explicit_head_dim == {"mistral-nemo": 24, "qwen3": 12}.get(family)
+
+
+# transformers' names -> this package's (after "model." for the decoder's own parameters)
+HF_NAMES = {"embed_tokens": "tok_embeddings", "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+            "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+            "self_attn.q_norm": "attention.q_norm", "self_attn.k_norm": "attention.k_norm",
+            "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+            "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2"}
+
+
+def _our_name(hf_name: str) -> str:
+    if hf_name.startswith("lm_head."):
+        return "output." + hf_name.removeprefix("lm_head.")
+    name = hf_name.removeprefix("model.")
+    for theirs, ours in HF_NAMES.items():
+        name = name.replace(theirs + ".", ours + ".")
+    return name
+
+
+@pytest.mark.parametrize("family,tied", FAMILIES)
+def test_a_model_built_from_the_config_computes_what_transformers_computes(family, tied):
+    """Every weight random (biases and norm weights too), copied by name: same logits in float32."""
+    hf = _hf_config(family, tie_word_embeddings=tied, rms_norm_eps=1e-5)
+    hf._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(hf).eval()
+    ours = Llama(LlamaConfig.from_hf(hf)).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+        state = {_our_name(k): v for k, v in theirs.state_dict().items()}
+        missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and (missing == [] or (tied and missing == ["output.weight"]))
+    assert (ours.output.weight is ours.tok_embeddings.weight) == tied
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        got = ours(ids).logits
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("make,published", [
+    # Qwen2.5-7B: untied, q/k/v biases; its model card's 7.61B is this sum of its weights' sizes
+    (lambda: transformers.Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                      tie_word_embeddings=False), 7_615_616_512),
+    # Qwen3-0.6B: tied, head_dim 128 beside 1024 / 16 heads; its card: 0.6B, 0.44B without embeddings
+    (lambda: transformers.Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                      num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                      head_dim=128, tie_word_embeddings=True), 596_049_920),
+])
+def test_published_qwen_configs_have_the_published_sizes(make, published):
+    config = LlamaConfig.from_hf(make())
+    assert count_parameters(config) == published
+    if config.tie_embeddings:
+        assert round((published - config.vocab_size * config.dim) / 1e9, 2) == 0.44
+    else:
+        assert round(published / 1e9, 2) == 7.62  # the card rounds 7.6156 down to 7.61
 
 
 def test_llama2_7b_config_folder_is_the_published_model(tmp_path):
@@ -70,10 +145,11 @@ def test_cli_estimates_a_config_folder_like_the_named_model(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"model_type": "qwen2"}, "model_type 'qwen2' is not one whose parameters are this package's Llama"),
-    ({"attention_bias": True}, "biases in attention or MLP layers"),
+    ({"model_type": "gemma"}, "model_type 'gemma' is not one whose parameters are this package's Llama"),
+    ({"attention_bias": True}, "biases in every attention projection (the output's too)"),
+    ({"mlp_bias": True}, "biases in its MLP layers"),
     ({"hidden_act": "gelu"}, "uses 'gelu', not the SiLU-gated"),
-    ({"head_dim": 64}, "head_dim 64 x 6 heads is not hidden_size 96"),
+    ({"head_dim": 15}, "head_dim 15 is odd"),
     ({"intermediate_size": None}, "the config has no intermediate_size"),
 ])
 def test_configs_of_other_shapes_are_refused_with_the_reason(change, words):
@@ -88,9 +164,9 @@ def test_cli_reports_a_missing_or_refused_config_as_a_usage_error(tmp_path, caps
     from fsdp_lab import cli
 
     for argv, words in ((f"--config {tmp_path / 'nowhere'}", "no config.json at"),
-                        (f"--config {tmp_path / 'qwen'}", "model_type 'qwen2'"),
+                        (f"--config {tmp_path / 'gemma'}", "model_type 'gemma'"),
                         ("--config x --model cpu", "not allowed with argument")):
-        transformers.Qwen2Config(**SMALL).save_pretrained(tmp_path / "qwen")
+        transformers.GemmaConfig(**SMALL).save_pretrained(tmp_path / "gemma")
         with pytest.raises(SystemExit) as info:
             cli.main(["estimate", *argv.split()])
         assert info.value.code == 2

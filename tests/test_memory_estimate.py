@@ -8,7 +8,8 @@ import torch
 
 from fsdp_lab.launch import launch
 from fsdp_lab.memory.cli import add_estimate_parser, run_estimate
-from fsdp_lab.memory.estimate import activation_bytes, deepspeed_model_states, estimate, measure_step
+from fsdp_lab.memory.estimate import activation_bytes, deepspeed_model_states, estimate
+from fsdp_lab.memory.measure import measure_step
 from fsdp_lab.models.llama import LlamaConfig
 
 # estimate vs measured peak: benchmarks/estimate_vs_measured.py finds 0.95x-1.06x on CPU over
@@ -107,6 +108,59 @@ def test_per_parameter_adamw_temporaries_match_the_tracker_where_the_step_is_the
     assert abs(measured.peak_total - est.total) <= 0.002 * est.total
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(qkv_bias=True), dict(explicit_head_dim=48), dict(qk_norm=True),
+                                   dict(qk_norm=True, explicit_head_dim=16, n_kv_heads=4, qkv_bias=True)],
+                         ids=["qkv_bias", "wide_heads", "qk_norm", "all_three"])
+def test_activations_of_qwen_like_blocks_match_the_formula(shape, dtype):
+    """The tracker's activations after forward (an independent count of what autograd keeps)
+    against the formula, for the shapes ``LlamaConfig.from_hf`` builds for Qwen2, Qwen3 and
+    Mistral-Nemo. By hand for q/k norms in float32 with 4 heads of 32 (2 kv heads), T = 128:
+    each norm keeps its input, its rsqrt per head and its output (A = 128 and 64 features)."""
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+
+    config = LlamaConfig(**shape)
+    model = Llama(config).to(dtype)
+    batch = global_batch(config.vocab_size, 2, 64)
+    with MemoryTracker(model) as mt:
+        out = model(batch)
+        measured = mt.current()["activations"]
+    del out
+    formula = activation_bytes(config, 2, 64, dtype)
+    assert 0 <= measured - formula["total"] <= 8  # the loss's own float32 scalars
+    if shape == dict(qk_norm=True) and dtype == torch.float32:
+        plain = activation_bytes(LlamaConfig(), 2, 64, dtype)["per_block"]
+        T = 128
+        assert formula["per_block"] - plain == (4 + 4) * T * (128 + 64) + 4 * T * (4 + 2)
+
+
+def test_frozen_head_norms_under_qlora_keep_only_their_input_and_rsqrt():
+    """QLoRA freezes the q/k norms' weights, so their normalised outputs are not kept: by hand
+    (float32, T = 128, q 4 x 32 and k 2 x 32 features) 4*T*(128 + 64) + 4*T*(4 + 2) bytes a
+    block more than without the norms, in each of the 4 blocks, measured by the tracker after forward."""
+    from fsdp_lab.memory.estimate import LORA_TARGETS
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama
+    from fsdp_lab.qlora import apply_lora
+
+    kept = {}
+    for qk_norm in (False, True):
+        model = Llama(LlamaConfig(qk_norm=qk_norm))
+        apply_lora(model, LORA_TARGETS, rank=8, quantize_base=True)
+        batch = global_batch(model.config.vocab_size, 2, 64)
+        with MemoryTracker(model) as mt:
+            out = model(batch)
+            kept[qk_norm] = mt.current()["activations"]
+        del out
+    T = 128
+    assert kept[True] - kept[False] == 4 * (4 * T * (128 + 64) + 4 * T * (4 + 2))
+    formula = {q: activation_bytes(LlamaConfig(qk_norm=q), 2, 64, lora_rank=8)["total"] for q in (False, True)}
+    assert formula[True] - formula[False] == kept[True] - kept[False]
+
+
 @pytest.mark.parametrize("batch_made", ["before tracking", "inside the step"])
 def test_activations_after_forward_match_the_formula_wherever_the_batch_was_made(batch_made):
     from fsdp_lab.memory.tracker import MemoryTracker
@@ -136,15 +190,19 @@ def test_single_process_matches_tracker(dtype):
     assert abs(measured.peak_total - est.total) <= PEAK_TOLERANCE * est.total
 
 
-FSDP_CASES = [("fsdp2", True, torch.float32), ("fsdp2", False, torch.float32), ("fsdp1_full_shard", True, torch.float32),
-              ("fsdp2", True, torch.bfloat16), ("fsdp1_full_shard", True, torch.bfloat16),
-              ("fsdp1_no_shard", True, torch.float32)]  # whole parameters, in FSDP's categories
+# Qwen-like shapes: q/k/v biases (Qwen2), q/k head norms (Qwen3), heads wider than dim / n_heads
+QWEN_LIKE = LlamaConfig(name="cpu-qwen-like", qkv_bias=True, qk_norm=True, explicit_head_dim=48)
+FSDP_CASES = [("fsdp2", True, torch.float32, "cpu"), ("fsdp2", False, torch.float32, "cpu"),
+              ("fsdp1_full_shard", True, torch.float32, "cpu"), ("fsdp2", True, torch.bfloat16, "cpu"),
+              ("fsdp1_full_shard", True, torch.bfloat16, "cpu"),
+              ("fsdp1_no_shard", True, torch.float32, "cpu"),  # whole parameters, in FSDP's categories
+              ("fsdp2", True, torch.float32, QWEN_LIKE), ("fsdp1_full_shard", True, torch.bfloat16, QWEN_LIKE)]
 
 
 def _measure_strategies():
-    return {(s, raf, dtype): measure_step("cpu", strategy=s, batch_size=2, seq_len=64, reshard_after_forward=raf,
-                                          param_dtype=dtype)
-            for s, raf, dtype in FSDP_CASES}
+    return {(s, raf, dtype, config): measure_step(config, strategy=s, batch_size=2, seq_len=64,
+                                                  reshard_after_forward=raf, param_dtype=dtype)
+            for s, raf, dtype, config in FSDP_CASES}
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +210,14 @@ def fsdp_results():
     return launch(_measure_strategies, world_size=2, timeout=240)
 
 
-@pytest.mark.parametrize("strategy,raf,dtype", FSDP_CASES)
-def test_fsdp_matches_tracker(fsdp_results, strategy, raf, dtype):
+@pytest.mark.parametrize("strategy,raf,dtype,config", FSDP_CASES,
+                         ids=lambda v: v.name if isinstance(v, LlamaConfig) else None)
+def test_fsdp_matches_tracker(fsdp_results, strategy, raf, dtype, config):
     # a bf16 model's shards, gradients and AdamW state are bf16 in both (no float32 masters)
     for rank, results in enumerate(fsdp_results):
-        measured = results[(strategy, raf, dtype)]
+        measured = results[(strategy, raf, dtype, config)]
         assert measured.rank == rank
-        est = estimate("cpu", world_size=2, strategy=strategy, batch_size=2, seq_len=64, reshard_after_forward=raf,
+        est = estimate(config, world_size=2, strategy=strategy, batch_size=2, seq_len=64, reshard_after_forward=raf,
                        param_dtype=dtype)
         at_step = est.phases["optimizer_step"]
         end = measured.timeline[-2][1]  # after the optimizer step, before zero_grad's effect is read
@@ -178,7 +237,7 @@ def test_fsdp1_gradients_are_whole_flat_units(fsdp_results, strategy):
     root = 2 * 512 * 128 + 128
     block = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 352 * 128 + 2 * 128
     for results in fsdp_results:
-        measured = results[(strategy, True, torch.float32)]
+        measured = results[(strategy, True, torch.float32, "cpu")]
         assert measured.peak["unsharded_grads"] == 4 * (root + block)
     est = estimate("cpu", world_size=2, strategy=strategy, batch_size=2, seq_len=64)
     assert est.phases["backward"]["unsharded_grads"] == 4 * (root + block)

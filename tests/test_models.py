@@ -81,6 +81,30 @@ def test_config_validation():
     assert CONFIGS["cpu"].n_layers == 4  # overrides do not touch the registry
 
 
+def test_qwen_like_switches_build_counted_parameters_and_refuse_bad_heads():
+    """Heads set apart from dim (5 heads of 24 on dim 96), q/k/v biases, q/k head norms: the
+    counts are the modules' own, biases start at zero and the head norms at one."""
+    config = LlamaConfig(dim=96, n_heads=5, n_kv_heads=1, explicit_head_dim=24, qkv_bias=True, qk_norm=True)
+    model = Llama(config)
+    attention = model.layers[0].attention
+    assert attention.wq.weight.shape == (120, 96) and attention.wo.weight.shape == (96, 120)
+    assert attention.wk.bias.shape == attention.wv.bias.shape == (24,) and attention.wo.bias is None
+    assert attention.q_norm.weight.shape == attention.k_norm.weight.shape == (24,)
+    by_hand = 120 * 96 + 2 * 24 * 96 + 96 * 120 + (120 + 2 * 24) + 2 * 24
+    assert parameter_breakdown(config)["attention_per_layer"] == by_hand == sum(
+        p.numel() for p in attention.parameters())
+    assert count_parameters(config) == sum(p.numel() for p in model.parameters())
+    assert all(not b.any() for b in (attention.wq.bias, attention.wk.bias, attention.wv.bias))
+    assert bool((attention.q_norm.weight == 1).all())
+    assert model(torch.randint(0, 512, (2, 8))).logits.shape == (2, 8, 512)
+    with pytest.raises(ValueError, match="divisible by n_heads .* or set explicit_head_dim"):
+        LlamaConfig(dim=96, n_heads=5, n_kv_heads=1)
+    with pytest.raises(ValueError, match="head_dim \\(25\\) must be even"):
+        LlamaConfig(dim=96, n_heads=5, n_kv_heads=1, explicit_head_dim=25)
+    with pytest.raises(ValueError, match="explicit_head_dim must be a positive int"):
+        LlamaConfig(explicit_head_dim=0)
+
+
 @pytest.mark.parametrize("make, field", [
     (lambda: LlamaConfig(n_layers=True), "LlamaConfig.n_layers"),
     (lambda: synthetic_batch(64, True, 8), "batch_size"),

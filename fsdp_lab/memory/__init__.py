@@ -4,7 +4,8 @@ from fsdp_lab.memory.tags import CATEGORIES, category_of, current_scope, tag, ta
 
 __all__ = ["CATEGORIES", "tag", "untag", "category_of", "tag_scope", "current_scope"]
 
-from fsdp_lab.memory.estimate import Breakdown, estimate, measure_step  # noqa: E402
+from fsdp_lab.memory.estimate import Breakdown, estimate  # noqa: E402
+from fsdp_lab.memory.measure import measure_step  # noqa: E402
 from fsdp_lab.memory.results import MemoryResult, merge_ranks  # noqa: E402
 from fsdp_lab.memory.tracker import MemoryTracker  # noqa: E402
 

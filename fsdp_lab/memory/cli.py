@@ -25,7 +25,8 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model", default="llama2-7b", choices=sorted(CONFIGS), help="named Llama config")
     which.add_argument("--config", default=None, metavar="PATH",
-                       help="your own Llama or Mistral model: its folder or config.json (Hugging Face format)")
+                       help="your own Llama, Mistral, Qwen2 or Qwen3 model: its folder or config.json "
+                            "(Hugging Face format)")
     p.add_argument("--world-size", type=positive_int, default=8, help="number of ranks")
     p.add_argument("--strategy", default="fsdp2", choices=STRATEGIES)
     p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per rank")

@@ -8,15 +8,18 @@ reduce-scatter, the loss gradient, optimizer temporaries) are modelled per phase
 is the largest phase.
 
 Activation formula. T = batch_size * seq_len tokens, d = dim, f = ffn_hidden, h = n_heads,
-V = vocab_size, L = n_layers, e = bytes of the compute dtype (RMSNorm computes in float32,
-the loss in float32, hence the 4s):
+A = h * head_dim (the query width, d unless ``explicit_head_dim``), V = vocab_size,
+L = n_layers, e = bytes of the compute dtype (RMSNorm computes in float32, the loss in float32,
+hence the 4s):
 
     per RMSNorm   = 4*T*d (its float32 input) + 2*e*T*d (normalised and scaled output) + 4*T
     per block     = 2 * RMSNorm
-                  + 4*e*T*d        (attention q, k, v, output saved by SDPA; k, v after repeat_interleave)
+                  + 4*e*T*A        (attention q, k, v, output saved by SDPA; k, v after repeat_interleave)
                   + 4*T*h          (SDPA's float32 log-sum-exp)
-                  + e*T*d          (input of wo)
+                  + e*T*A          (input of wo)
                   + 4*e*T*f        (SwiGLU: w1 out, w3 out, silu(w1 out), their product)
+                  [+ (4 + e)*T*(A + A_kv) + 4*T*(h + h_kv) with ``qk_norm``: each head norm's
+                     float32 input, rsqrt per head and output; A_kv = n_kv_heads * head_dim]
     whole model   = L * per block + RMSNorm (final; its output is the input of ``output``)
                   + 4*T*V (float32 log-softmax output kept by the loss)
                   + 8*T (the int64 labels the loss keeps)
@@ -99,11 +102,17 @@ def parameter_shapes(config: LlamaConfig) -> list[tuple[str, str, tuple[int, ...
     """(unit, name, shape) of every parameter of ``Llama(config)``, in the order of its
     ``parameters()`` (the order an optimizer steps them in); unit is "root" or "layers.i"."""
     d, hd, f = config.dim, config.head_dim, config.ffn_hidden
-    layer = [("attention_norm.weight", (d,)),
-             ("attention.wq", (config.n_heads * hd, d)), ("attention.wk", (config.n_kv_heads * hd, d)),
-             ("attention.wv", (config.n_kv_heads * hd, d)), ("attention.wo", (d, config.n_heads * hd)),
-             ("ffn_norm.weight", (d,)),
-             ("feed_forward.w1", (f, d)), ("feed_forward.w3", (f, d)), ("feed_forward.w2", (d, f))]
+    q_out, kv_out = config.n_heads * hd, config.n_kv_heads * hd
+    layer = [("attention_norm.weight", (d,))]
+    for linear, out in (("wq", q_out), ("wk", kv_out), ("wv", kv_out)):
+        layer.append((f"attention.{linear}", (out, d)))
+        if config.qkv_bias:
+            layer.append((f"attention.{linear}.bias", (out,)))
+    layer.append(("attention.wo", (d, q_out)))
+    if config.qk_norm:
+        layer += [("attention.q_norm.weight", (hd,)), ("attention.k_norm.weight", (hd,))]
+    layer += [("ffn_norm.weight", (d,)),
+              ("feed_forward.w1", (f, d)), ("feed_forward.w3", (f, d)), ("feed_forward.w2", (d, f))]
     shapes = [("root", "tok_embeddings.weight", (config.vocab_size, d))]
     for i in range(config.n_layers):
         shapes += [(f"layers.{i}", f"layers.{i}.{n}", s) for n, s in layer]
@@ -132,7 +141,11 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
     if lora_rank:
         norm -= e * T * d
         final_norm -= 2 * e * T * d
-    block = 2 * norm + 4 * e * T * d + 4 * T * h + e * T * d + 4 * e * T * f
+    A, A_kv, h_kv = h * config.head_dim, config.n_kv_heads * config.head_dim, config.n_kv_heads
+    block = 2 * norm + 4 * e * T * A + 4 * T * h + e * T * A + 4 * e * T * f
+    if config.qk_norm:  # each keeps its float32 input, its rsqrt per head and (for the weight's
+        # gradient, unless frozen under QLoRA) its normalised output; RoPE then keeps nothing of it
+        block += (4 + (0 if lora_rank else e)) * T * (A + A_kv) + 4 * T * (h + h_kv)
     block += 7 * e * T * lora_rank  # LoRA: each adapted linear saves its A output for B
     kept = e * T * d if activation_checkpointing else block
     parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": final_norm,
@@ -412,78 +425,5 @@ def deepspeed_model_states(num_params: int, world_size: int, stage: int) -> int:
     return {0: 16 * P, 1: 4 * P + 12 * P / N, 2: 2 * P + 14 * P / N, 3: 16 * P / N}[stage]
 
 
-MEASURABLE = ("ddp", "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_no_shard", "fsdp2")
-
-
-def measure_step(config: LlamaConfig | str, *, strategy: str, batch_size: int, seq_len: int,
-                 param_dtype=torch.float32, activation_checkpointing: bool = False,
-                 reshard_after_forward: bool = True, foreach: bool = False, seed: int = 0,
-                 qlora: bool = False, lora_rank: int = 8):
-    """Run two training steps of ``Llama(config)`` under ``strategy`` on this rank and return the
-    MemoryTracker result of the second (steady state), to set beside :func:`estimate`.
-
-    Call it inside ``fsdp_lab.launch`` or ``fsdp_lab.simulated_world`` (or alone for "ddp" with
-    one process). "ddp" all-reduces gradients in place (no buckets); FSDP1 wraps every block.
-    ``qlora``: NF4 base weights with LoRA adapters of ``lora_rank`` on the block linears
-    (``fsdp_lab.qlora.apply_lora``), AdamW on the adapters only.
-    Raises ValueError for a strategy that cannot be measured here (``MEASURABLE`` lists them).
-    """
-    import torch.distributed as dist
-
-    from fsdp_lab import collectives
-    from fsdp_lab.dist import current_device
-    from fsdp_lab.memory.tracker import MemoryTracker
-    from fsdp_lab.models.data import global_batch
-    from fsdp_lab.models.llama import Llama, TransformerBlock, apply_activation_checkpointing
-
-    if strategy not in MEASURABLE:
-        raise ValueError(f"strategy {strategy!r} cannot be measured by measure_step; use one of "
-                         f"{', '.join(MEASURABLE)}")
-    device = current_device()
-    model = Llama(config, seed=seed).to(device=device, dtype=param_dtype)
-    if qlora:
-        from fsdp_lab.qlora import apply_lora
-        torch.manual_seed(seed)
-        apply_lora(model, LORA_TARGETS, rank=lora_rank, quantize_base=True)
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
-    # estimate()'s param_dtype is the dtype parameters are stored (and trained) in, as in
-    # PyTorch's FSDP; fsdp_lab's default policies would keep float32 masters of a bf16 model.
-    own_dtype = {"main_params_dtype": None, "main_grads_dtype": None}
-    if strategy == "fsdp2":
-        from fsdp_lab.fsdp2 import fully_shard
-        from fsdp_lab.precision import MixedPrecisionPolicy
-        policy = MixedPrecisionPolicy(**own_dtype)
-        for block in model.layers:
-            fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-    elif strategy.startswith("fsdp1"):
-        from fsdp_lab.fsdp1 import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy
-        from fsdp_lab.precision import MixedPrecision
-        sharding = {"fsdp1_full_shard": ShardingStrategy.FULL_SHARD, "fsdp1_no_shard": ShardingStrategy.NO_SHARD,
-                    "fsdp1_shard_grad_op": ShardingStrategy.SHARD_GRAD_OP}[strategy]
-        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
-                                         sharding_strategy=sharding, mixed_precision=MixedPrecision(**own_dtype))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=foreach)
-    vocab = model.config.vocab_size if hasattr(model, "config") else LlamaConfig.from_name(config).vocab_size
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    replicated = strategy == "ddp" and dist.is_initialized() and dist.get_world_size() > 1
-
-    def step(i):
-        batch = global_batch(vocab, batch_size, seq_len, seed=seed + rank, step=i).to(device)
-        loss = model(batch).loss
-        loss.backward()
-        if replicated:
-            for p in model.parameters():
-                collectives.all_reduce(p.grad, op="avg")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step(0)
-    with MemoryTracker(model, optimizer) as tracker:
-        step(1)
-    return tracker.result()
-
-
 __all__ = ["Breakdown", "estimate", "activation_bytes", "parameter_shapes", "deepspeed_model_states",
-           "measure_step", "hybrid_shard_group_size", "STRATEGIES", "MEASURABLE", "OPTIMIZERS", "count_parameters"]
+           "hybrid_shard_group_size", "STRATEGIES", "OPTIMIZERS", "count_parameters"]

@@ -4,9 +4,12 @@
 dict, or a ``transformers`` config object) reads the sizes that fix every parameter's shape and
 the activations' sizes, so that ``estimate`` and ``fsdp-lab estimate --config`` answer "will it
 fit?" for a model whose weights are not here. Only architectures whose parameters are exactly
-this package's Llama are accepted (``model_type`` llama or mistral, no biases, SiLU gate,
-``head_dim == hidden_size / num_attention_heads``): any other would be estimated wrongly, so it
-is refused with the reason. RoPE scaling changes no shape and is not carried over.
+this package's Llama are accepted: ``model_type`` llama, mistral (any ``head_dim``, as
+Mistral-Nemo's), qwen2 (biases on q, k and v: ``qkv_bias``) and qwen3 (RMSNorm on each head of q
+and k: ``qk_norm``), with a SiLU-gated feed-forward and no other biases. Any other would be
+estimated wrongly, so it is refused with the reason. RoPE scaling and sliding-window attention
+change no shape and are not carried over (a ``Llama`` built from the result attends to every
+earlier position with plain RoPE).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 __all__ = ["llama_fields_from_hf", "SUPPORTED_MODEL_TYPES"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -46,20 +49,29 @@ def _refusal(fields: dict) -> str | None:
     model_type = fields.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         return (f"model_type {model_type!r} is not one whose parameters are this package's Llama "
-                f"({' or '.join(SUPPORTED_MODEL_TYPES)})")
-    if fields.get("attention_bias") or fields.get("mlp_bias"):
-        return "it has biases in attention or MLP layers, which this package's Llama does not"
+                f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    if fields.get("mlp_bias"):
+        return "it has biases in its MLP layers, which this package's Llama does not"
+    # Qwen2 always has q, k and v biases (its attention_bias field is not read); the others'
+    # attention_bias puts a bias on the output projection too, which this Llama does not have
+    if model_type != "qwen2" and fields.get("attention_bias"):
+        return "it has biases in every attention projection (the output's too), which this package's Llama does not"
     if fields.get("hidden_act", "silu") != "silu":
         return f"its MLP uses {fields['hidden_act']!r}, not the SiLU-gated (SwiGLU) feed-forward"
-    head_dim = fields.get("head_dim")
-    if head_dim is not None and head_dim * fields["num_attention_heads"] != fields["hidden_size"]:
-        return (f"head_dim {head_dim} x {fields['num_attention_heads']} heads is not hidden_size "
-                f"{fields['hidden_size']}, which this package's Llama assumes")
+    head_dim = _head_dim(fields)
+    if head_dim % 2:
+        return f"its head_dim {head_dim} is odd, and rotary embeddings turn pairs of features"
     return None
 
 
+def _head_dim(fields: dict) -> int:
+    """Features per attention head: ``head_dim`` when given, else hidden_size / heads (as transformers)."""
+    return fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+
+
 def llama_fields_from_hf(source: Any) -> dict[str, Any]:
-    """``LlamaConfig``'s fields for a Hugging Face Llama or Mistral config (see the module docstring).
+    """``LlamaConfig``'s fields for a Hugging Face Llama, Mistral, Qwen2 or Qwen3 config (see the
+    module docstring).
 
     Raises FileNotFoundError for a path without config.json, TypeError for another kind of
     source, ValueError naming a missing size or why the architecture is not this Llama.
@@ -80,5 +92,9 @@ def llama_fields_from_hf(source: Any) -> dict[str, Any]:
         ffn_hidden=fields["intermediate_size"], max_seq_len=fields.get("max_position_embeddings") or 2048,
         norm_eps=fields.get("rms_norm_eps") or 1e-6,
         rope_theta=fields.get("rope_theta") or rope.get("rope_theta") or 10000.0,
-        tie_embeddings=bool(fields.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        qkv_bias=fields["model_type"] == "qwen2", qk_norm=fields["model_type"] == "qwen3")
+    head_dim = _head_dim(fields)
+    if head_dim * fields["num_attention_heads"] != fields["hidden_size"]:
+        values["explicit_head_dim"] = head_dim
     return values

@@ -1,5 +1,10 @@
 """A small, readable Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
 
+Three optional switches give the shapes of the Llama family's close relatives: ``qkv_bias``
+(Qwen2's biases on the q, k and v projections), ``qk_norm`` (Qwen3's RMSNorm over each head of q
+and k before the rotary embedding) and ``explicit_head_dim`` (heads wider or narrower than
+``dim / n_heads``, as Mistral-Nemo and Qwen3 have).
+
 Module names follow Meta's Llama reference code (``tok_embeddings``, ``layers.N.attention.wq``,
 ``feed_forward.w1`` ...) so wrapping policies and LoRA target lists can select modules by name.
 Named configs range from a CPU-sized model to the exact shapes of Llama-2-7B and Llama-3-8B
@@ -36,24 +41,30 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     tie_embeddings: bool = False
+    explicit_head_dim: int | None = None  # None: dim // n_heads, as in Llama
+    qkv_bias: bool = False  # biases on wq, wk, wv (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
 
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             check_positive_int(f"LlamaConfig.{field}", getattr(self, field))
-        if self.dim % self.n_heads:
+        if self.explicit_head_dim is not None:
+            check_positive_int("LlamaConfig.explicit_head_dim", self.explicit_head_dim)
+        elif self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}); "
-                             f"choose n_heads among the divisors of dim")
+                             f"choose n_heads among the divisors of dim, or set explicit_head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}) "
                              f"for grouped-query attention; choose n_kv_heads among the divisors of n_heads")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary embeddings")
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError(f"norm_eps ({self.norm_eps}) and rope_theta ({self.rope_theta}) must be positive")
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Features per attention head: ``explicit_head_dim``, or ``dim // n_heads`` without it."""
+        return self.explicit_head_dim if self.explicit_head_dim is not None else self.dim // self.n_heads
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LlamaConfig":
@@ -67,7 +78,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, source, **overrides) -> "LlamaConfig":
-        """The shapes of a Hugging Face Llama or Mistral model: ``source`` is its folder (holding
+        """The shapes of a Hugging Face Llama, Mistral, Qwen2 or Qwen3 model: ``source`` is its folder (holding
         ``config.json``), the file, a dict or a ``transformers`` config. See ``hf_config.py`` for
         what it refuses (ValueError with the reason) and raises; ``overrides`` replace fields."""
         return cls(**{**llama_fields_from_hf(source), **overrides})
@@ -95,6 +106,10 @@ def parameter_breakdown(config: LlamaConfig) -> dict[str, int]:
     attention = d * (config.n_heads * hd)           # wq
     attention += 2 * d * (config.n_kv_heads * hd)   # wk, wv: only the kv heads are stored
     attention += (config.n_heads * hd) * d          # wo
+    if config.qkv_bias:
+        attention += (config.n_heads + 2 * config.n_kv_heads) * hd
+    if config.qk_norm:
+        attention += 2 * hd                         # q_norm, k_norm: one weight per head feature
     feed_forward = 3 * d * config.ffn_hidden        # w1 (gate), w3 (up), w2 (down)
     norms = 2 * d                                   # attention_norm, ffn_norm
     per_layer = attention + feed_forward + norms
@@ -162,15 +177,22 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        if config.qk_norm:  # one weight per head feature, shared by the heads (Qwen3)
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq_len, _ = x.shape
-        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         repeats = self.n_heads // self.n_kv_heads
@@ -245,7 +267,7 @@ class Llama(nn.Module):
     def init_weights(self, seed: int = 0, generator_device: str | torch.device = "cpu") -> "Llama":
         """Re-initialise every parameter in place from ``torch.Generator().manual_seed(seed)``.
 
-        Norm weights get ones; every other parameter (linear, embedding) gets N(0, 0.02^2), drawn
+        Norm weights get ones, biases zeros; every other parameter (linear, embedding) gets N(0, 0.02^2), drawn
         in float32 on ``generator_device`` in ``named_parameters()`` order and copied into the
         parameter's own device and dtype, so values do not depend on the global RNG or on where
         the model lives. The rotary tables are recomputed too. Tensors on the meta device are
@@ -258,6 +280,8 @@ class Llama(nn.Module):
                 continue
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
             else:
                 values = torch.empty(param.shape, dtype=torch.float32, device=generator_device)
                 values.normal_(0.0, INIT_STD, generator=generator)

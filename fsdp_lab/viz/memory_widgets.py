@@ -15,7 +15,8 @@ from IPython.display import display
 
 from fsdp_lab.dist import simulated_world
 from fsdp_lab.launch import launch
-from fsdp_lab.memory.estimate import MEASURABLE, OPTIMIZERS, STRATEGIES, estimate, measure_step
+from fsdp_lab.memory.estimate import OPTIMIZERS, STRATEGIES, estimate
+from fsdp_lab.memory.measure import MEASURABLE, measure_step
 from fsdp_lab.models.llama import CONFIGS
 from fsdp_lab.viz.memory_plots import plot_breakdown, plot_estimate_vs_measured
 from fsdp_lab.viz.widgets import Explorer
