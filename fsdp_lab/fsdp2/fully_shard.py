@@ -279,9 +279,10 @@ class FSDPModule:
         (e.g. out of memory) interrupted forward or backward.
 
         Finishes collectives already issued (every rank issued them, so they complete), frees
-        unsharded parameters, drops unsharded and in-flight gradients (reduced shards already
-        in ``.grad`` stay: clear them with ``optimizer.zero_grad()``) and clears the hook
-        bookkeeping a broken forward/backward leaves behind. Call it on every rank.
+        unsharded parameters, drops unsharded and in-flight gradients and the rows HSDP kept for
+        a later all-reduce (reduced shards already in ``.grad`` stay: clear them with
+        ``optimizer.zero_grad()``) and clears the hook bookkeeping a broken forward/backward
+        leaves behind. Call it on every rank.
         """
         states = {id(m._fsdp_state): m._fsdp_state for m in self.modules() if isinstance(m, FSDPModule)}
         roots = {id(s.root): s.root for s in states.values() if s.root is not None}
@@ -297,10 +298,33 @@ class FSDPModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate unsharded gradients locally (no reduce-scatter) until set back to True.
+        Under HSDP it sets ``set_requires_all_reduce`` to the same value, as PyTorch's method.
         Raises TypeError for anything but a bool (a string such as "no" would read as True)."""
         check_bool("requires_gradient_sync", requires_gradient_sync)
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
+            group.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation with sharded memory: False still reduce-scatters each
+        microbatch's gradients within the shard group but keeps the reduced rows aside (no
+        all-reduce across the replicas, no ``.grad`` yet); the next reduction with True adds them
+        in and all-reduces once. Without a replica dimension it changes nothing. Raises
+        TypeError for anything but a bool."""
+        check_bool("requires_all_reduce", requires_all_reduce)
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """False: the next backwards are not the step's last, so their end does not wait for the
+        last reduce-scatter in flight (the next forward or backward finishes it); set True
+        before the last microbatch's backward, whose end makes every ``.grad`` complete. Stays
+        as set, as PyTorch's. Raises TypeError for anything but a bool."""
+        check_bool("is_last_backward", is_last_backward)
+        state = self._fsdp_state
+        state.is_last_backward = is_last_backward
+        if state.root is not None:
+            state.root.is_last_backward = is_last_backward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: keep parameters gathered after backward (e.g. between gradient-accumulation steps).

@@ -37,6 +37,9 @@ class _RootContext:
         self._post_forward_order: list[weakref.ref] = []
         self.step = StepState.IDLE  # IN_BACKWARD from the first pre_backward (callback queued) to its end
         self.pending_reduce: _ReduceScatter | None = None  # at most one reduce-scatter in flight
+        # False (a microbatch before the last): the end of backward leaves the last reduce-scatter
+        # in flight; the next forward or backward finishes it
+        self.is_last_backward = True
 
     def reset(self) -> None:
         """After an interrupted step: finish the reduce-scatter in flight (every rank issued it)
@@ -83,6 +86,7 @@ class _FSDPState:
         self.forward_prefetch: list[_FSDPState] = []
         self.backward_prefetch: list[_FSDPState] | None = None
         self.training_state = TrainingState.IDLE
+        self.is_last_backward = True  # set_is_last_backward before the first forward; the root context's after
         self._in_forward = 0  # modules of this group whose forward is running (nested calls)
         # ids of this group's modules still to run in the current forward pass: a group of
         # several modules (e.g. two blocks) gathers once and reshards after its last module.
@@ -109,6 +113,7 @@ class _FSDPState:
                 if state is not None and state not in states:
                     states.append(state)
         context = _RootContext(states)
+        context.is_last_backward = self.is_last_backward
         names = {id(m): name for top in self.modules for name, m in top.named_modules()}
         for state in states:  # label timeline events with module paths, e.g. "layers.0"
             if state.group is not None:
@@ -234,7 +239,8 @@ def root_final_callback_for(root: _RootContext):
             state.group.wait_for_unshard()  # a prefetch nobody used
             state.post_backward()
             state.training_state = TrainingState.IDLE
-        root.finish_pending_reduce()
+        if root.is_last_backward:
+            root.finish_pending_reduce()
         assert_in_states(root.step, StepState.IN_BACKWARD, where="end of backward")
         root.step = StepState.IDLE
 

@@ -134,6 +134,8 @@ class FSDPParam:
         self._unsharded_inner_tensors: list[torch.Tensor] = []
         self._metadata = None
         self.unsharded_accumulated_grad: torch.Tensor | None = None  # orig_size, accumulation dtype (no sync)
+        # HSDP without the replica all-reduce: this rank's reduced rows so far (padded shard, wire dtype)
+        self.partial_reduced_grad: torch.Tensor | None = None
         self._init_sharded_param(param.detach())
 
     # -- 1. shard -------------------------------------------------------------------------
@@ -286,12 +288,14 @@ class FSDPParam:
 
     def reset(self) -> None:
         """After an interrupted step: modules see the shard, the unsharded bytes are freed and
-        the unreduced gradients (this step's and any accumulated without sync) dropped."""
+        the unreduced gradients (this step's, any accumulated without sync and any reduced
+        within the shard group but not yet across the replicas) dropped."""
         self.to_sharded()
         self.free_unsharded_param()
         if self._unsharded_param is not None:
             self._unsharded_param.grad = None
         self.unsharded_accumulated_grad = None
+        self.partial_reduced_grad = None
 
     # -- 5. gradient ----------------------------------------------------------------------
     def take_unsharded_grad(self) -> torch.Tensor | None:
@@ -324,6 +328,19 @@ class FSDPParam:
         padded = grad.new_zeros((padded_rows, *grad.shape[1:]))
         padded[: grad.shape[0]].copy_(grad)
         return padded
+
+    def keep_partial_reduced_grad(self, reduced_shard: torch.Tensor) -> None:
+        """HSDP with ``requires_all_reduce`` False: add this microbatch's reduced rows (a flat
+        slice of the group's output, padded shard, wire dtype) to what waits for the all-reduce."""
+        if self.partial_reduced_grad is None:
+            self.partial_reduced_grad = reduced_shard  # a view: the group's output stays, as sharded_grads
+        else:
+            self.partial_reduced_grad.add_(reduced_shard)
+
+    def take_partial_reduced_grad(self) -> torch.Tensor | None:
+        """Remove and return the rows kept by ``keep_partial_reduced_grad``, or None."""
+        partial, self.partial_reduced_grad = self.partial_reduced_grad, None
+        return partial
 
     def accumulate_sharded_grad(self, reduced_shard: torch.Tensor) -> None:
         """Make this rank's reduced rows (a flat slice of the padded shard) the DTensor's grad, or add them to it."""

@@ -67,21 +67,34 @@ class _ReduceScatter:
     """A reduce-scatter in flight; ``wait()`` hands each parameter its reduced rows."""
 
     def __init__(self, handle, input, output, output_is_temporary, params, split_numels,
-                 replicate_group=None, name="", divide_by: float | None = None):
+                 replicate_group=None, name="", divide_by: float | None = None, all_reduce: bool = True):
         self.handle, self.input, self.output, self.params = handle, input, output, params
         self.output_is_temporary, self.split_numels = output_is_temporary, split_numels
         self.replicate_group, self.name = replicate_group, name
         self.divide_by = divide_by  # None: the collectives averaged; else they summed, divide here
+        self.all_reduce = all_reduce  # HSDP: False keeps the reduced rows until a later all-reduce
 
     def wait(self) -> None:
         self.handle.wait()
         collectives.release(self.input)
+        shards = torch.split(self.output, self.split_numels)
+        if self.replicate_group is not None and not self.all_reduce:
+            # accumulating across microbatches: no all-reduce, no division and no .grad yet
+            tag(self.output, "sharded_grads")
+            for fsdp_param, shard in zip(self.params, shards):
+                fsdp_param.keep_partial_reduced_grad(shard)
+            return
         if self.replicate_group is not None:  # HSDP: average (or sum) the shard over the replicas
+            for fsdp_param, shard in zip(self.params, shards):
+                partial = fsdp_param.take_partial_reduced_grad()
+                if partial is not None:  # the earlier microbatches' rows, reduced within the shard group
+                    shard.add_(partial)
+            partial = None  # the last view of the earlier output: its bytes go now
             collectives.all_reduce(self.output, op="avg" if self.divide_by is None else "sum",
                                    group=self.replicate_group, meta={"module": self.name})
         if self.divide_by is not None and self.divide_by != 1:
             self.output.div_(self.divide_by)
-        for fsdp_param, shard in zip(self.params, torch.split(self.output, self.split_numels)):
+        for fsdp_param, shard in zip(self.params, shards):
             fsdp_param.accumulate_sharded_grad(shard)
         if self.output_is_temporary and not any(_holds(p, self.output) for p in self.params):
             collectives.release(self.output)  # its rows were added into the sharded grads
@@ -110,6 +123,7 @@ class FSDPParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: False reduce-scatters but leaves the replicas apart
         # PyTorch's FSDPModule knobs: gradients = the ranks' sum / this (None: the mean), and
         # whether the collectives must sum (dividing apart) even when they could average
         self.gradient_divide_factor: float | None = None
@@ -246,8 +260,12 @@ class FSDPParamGroup:
                 fsdp_param.accumulate_unsharded_grad()
             return None
         params, grads = [], []
+        all_reduce = self.requires_all_reduce or self.replicate_group is None
         for fsdp_param in self.fsdp_params:
             grad = fsdp_param.take_unsharded_grad()
+            if grad is None and all_reduce and fsdp_param.partial_reduced_grad is not None:
+                # no gradient this time, rows kept from earlier microbatches: they must reach the replicas
+                grad = torch.zeros(fsdp_param.orig_size, dtype=fsdp_param.dtypes.wire, device=self.device)
             if grad is not None:
                 params.append(fsdp_param)
                 grads.append(fsdp_param.padded_unsharded_grad(grad))
@@ -278,7 +296,7 @@ class FSDPParamGroup:
         if _SYNCHRONOUS:
             handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
         return _ReduceScatter(handle, flat_input, output, temporary, params, split_numels,
-                              self.replicate_group, self.name, divide_by)
+                              self.replicate_group, self.name, divide_by, all_reduce)
 
     # -- inspection --------------------------------------------------------------------------
     def unsharded_bytes(self) -> int:
