@@ -161,6 +161,34 @@ def test_frozen_head_norms_under_qlora_keep_only_their_input_and_rsqrt():
     assert formula[True] - formula[False] == kept[True] - kept[False]
 
 
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "ac"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qlora_activations_after_forward_match_the_formula(ac, dtype):
+    """QLoRA freezes the embeddings: the input ids are not kept, and block 0's attention norm,
+    whose input needs no gradient, keeps only its output (for the adapters). Exact, as the
+    tracker counts what autograd keeps (with q/k head norms, 4 blocks)."""
+    from fsdp_lab.memory.estimate import LORA_TARGETS
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch
+    from fsdp_lab.models.llama import Llama, apply_activation_checkpointing
+    from fsdp_lab.qlora import apply_lora
+
+    config = LlamaConfig(qk_norm=True)
+    model = Llama(config).to(dtype)
+    apply_lora(model, LORA_TARGETS, rank=8, quantize_base=True)
+    if ac:
+        apply_activation_checkpointing(model)
+    batch = global_batch(config.vocab_size, 2, 64)
+    with MemoryTracker(model) as mt:
+        out = model(batch)
+        measured = mt.current()["activations"]
+    del out
+    formula = activation_bytes(config, 2, 64, dtype, activation_checkpointing=ac, lora_rank=8)
+    assert 0 <= measured - formula["total"] <= 8  # the loss's own float32 scalars
+    assert formula["input_ids"] == 0
+    assert formula["per_block"] - formula["first_block"] == 4 * 128 * 128 + 4 * 128
+
+
 @pytest.mark.parametrize("batch_made", ["before tracking", "inside the step"])
 def test_activations_after_forward_match_the_formula_wherever_the_batch_was_made(batch_made):
     from fsdp_lab.memory.tracker import MemoryTracker

@@ -124,16 +124,18 @@ def parameter_shapes(config: LlamaConfig) -> list[tuple[str, str, tuple[int, ...
 
 def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=torch.float32,
                      activation_checkpointing: bool = False, lora_rank: int = 0) -> dict[str, int]:
-    """Bytes saved for backward after forward, by part: ``per_block``, ``blocks`` (all L),
-    ``final_norm``, ``loss`` (what the loss keeps: its log-softmax output, 4TV, and the int64
-    labels, 8T, which are also given alone as ``labels``), ``input_ids`` (the int64 ids the
-    embedding saves, 8T), ``total``; plus
+    """Bytes saved for backward after forward, by part: ``per_block``, ``first_block`` (block 0's,
+    less under QLoRA), ``blocks`` (all L), ``final_norm``, ``loss`` (what the loss keeps: its
+    log-softmax output, 4TV, and the int64 labels, 8T, which are also given alone as
+    ``labels``), ``input_ids`` (the int64 ids the embedding saves, 8T), ``total``; plus
     ``recompute`` (one block's activations rebuilt in backward under checkpointing, else 0)
     and ``backward_transient``. Formula in the module docstring.
 
     ``lora_rank`` > 0 means QLoRA: only the adapters train, so a norm's weight is frozen and
     its normalised output is not saved for the weight's gradient (e*T*d less per norm), and
-    the final norm's output feeds the frozen ``output`` projection, which saves nothing."""
+    the final norm's output feeds the frozen ``output`` projection, which saves nothing. The
+    embedding is frozen too: it keeps no input ids, and block 0's input needs no gradient, so
+    its attention norm keeps neither its float32 input nor its rsqrt (4*T*d + 4*T less)."""
     e = torch.empty((), dtype=dtype).element_size()
     T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
     norm = 4 * T * d + 2 * e * T * d + 4 * T
@@ -147,10 +149,13 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
         # gradient, unless frozen under QLoRA) its normalised output; RoPE then keeps nothing of it
         block += (4 + (0 if lora_rank else e)) * T * (A + A_kv) + 4 * T * (h + h_kv)
     block += 7 * e * T * lora_rank  # LoRA: each adapted linear saves its A output for B
+    first_block = block - (4 * T * d + 4 * T if lora_rank else 0)
     kept = e * T * d if activation_checkpointing else block
-    parts = {"per_block": block, "blocks": config.n_layers * kept, "final_norm": final_norm,
-             "labels": 8 * T, "loss": 4 * T * V + 8 * T, "input_ids": 8 * T,
-             "recompute": block if activation_checkpointing else 0,
+    kept_first = e * T * d if activation_checkpointing else first_block
+    parts = {"per_block": block, "first_block": first_block,
+             "blocks": (config.n_layers - 1) * kept + kept_first, "final_norm": final_norm,
+             "labels": 8 * T, "loss": 4 * T * V + 8 * T, "input_ids": 0 if lora_rank else 8 * T,
+             "recompute": (block if config.n_layers > 1 else first_block) if activation_checkpointing else 0,
              "backward_transient": 2 * e * T * f}
     parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"] + parts["input_ids"]
     return parts
@@ -357,7 +362,8 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     # FSDP1 keeps a unit's gradient as one flat tensor, made whole at the unit's first gradient: the
     # root unit's (the embedding's part too) from the output projection's backward to the end
     root_grad = 0 if qlora else root_numel
-    acts["last_block"] = acts["per_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
+    # block 0 at the end of backward: its activations (recomputed under checkpointing, beside its kept input)
+    acts["last_block"] = acts["first_block"] + (acts["blocks"] // max(config.n_layers, 1) if activation_checkpointing else 0)
     # QLoRA: each NF4 linear dequantizes its weight into a temporary in forward and in backward
     dequant_temp = largest_quant * c
     # under checkpointing the backward phase holds a recomputed block, so its gradient temporaries too
