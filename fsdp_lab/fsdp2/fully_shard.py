@@ -339,6 +339,17 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_forward = reshard_after_forward
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward does not all-gather this module's own parameters again (nor prefetch
+        them), for a module whose backward reads none of their values, such as an embedding
+        (its weight's gradient needs only the token ids); the gradients are still reduced.
+        A module whose backward does read them (a linear layer) then fails in backward with
+        RuntimeError "... out of bounds for storage of size 0" (freed storage). Recomputed forwards (activation checkpointing) still gather. As
+        PyTorch's method: this module's own groups. Raises TypeError for anything but a bool."""
+        check_bool("unshard_in_backward", unshard_in_backward)
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce this module's gradients to the ranks' sum divided by ``factor`` (a positive
         number) instead of their mean, e.g. 1.0 for a loss already normalised by a global token

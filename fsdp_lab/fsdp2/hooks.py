@@ -200,10 +200,11 @@ class _FSDPState:
         # has its backward run twice, and the first post-backward resharded it, as in PyTorch's
         sync_points.fire("pre_backward", self.group.name)
         self.training_state = TrainingState.BACKWARD_PRE
-        self.group.unshard()
-        self.group.wait_for_unshard()
+        if self.group.unshard_in_backward:
+            self.group.unshard()
+            self.group.wait_for_unshard()
         for target in self._backward_prefetch_targets():
-            if target.group is not None:
+            if target.group is not None and target.group.unshard_in_backward:
                 target.group.unshard(async_op=True)
 
     def _backward_prefetch_targets(self) -> list["_FSDPState"]:

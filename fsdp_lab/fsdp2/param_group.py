@@ -124,6 +124,7 @@ class FSDPParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # HSDP: False reduce-scatters but leaves the replicas apart
+        self.unshard_in_backward = True  # False: backward needs none of the values (an embedding's weight)
         # PyTorch's FSDPModule knobs: gradients = the ranks' sum / this (None: the mean), and
         # whether the collectives must sum (dividing apart) even when they could average
         self.gradient_divide_factor: float | None = None
