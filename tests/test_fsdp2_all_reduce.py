@@ -86,6 +86,29 @@ def _no_gradient_in_the_last_microbatch():
     return {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
 
 
+def _children_only():
+    """A root without parameters of its own over two sharded children: the last microbatch
+    reduces each child once (the end of backward must not reduce the kept rows again)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_lab.fsdp2 import fully_shard
+    from fsdp_lab.timeline import Timeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6))
+    for child in (model[0], model[2], model):
+        fully_shard(child, mesh=mesh)
+    x = torch.randn(2 * WORLD, 6, generator=torch.Generator().manual_seed(1)).chunk(WORLD)[dist.get_rank()]
+    model.set_requires_all_reduce(False)
+    model(x.requires_grad_()).square().sum().backward()
+    model.set_requires_all_reduce(True)
+    with Timeline() as timeline:
+        model(x).square().sum().backward()
+    return sorted(e.name for e in timeline.comm_events() if e.name != "all_gather")
+
+
 def _not_the_last_backward():
     """1-D FSDP: a backward that is not the last leaves its last reduce-scatter in flight."""
     import torch.distributed as dist
@@ -111,6 +134,7 @@ def _ranks():
 
     out = {"ours": _accumulate(fully_shard, False), "ours, is_last_backward": _accumulate(fully_shard, True),
            "two paths": _no_gradient_in_the_last_microbatch(), "not last": _not_the_last_backward(),
+           "children only": _children_only(),
            "errors": []}
     from _torch_reference import TORCH_FSDP2_ON_CPU
     if TORCH_FSDP2_ON_CPU and hasattr(FSDPModule, "set_requires_all_reduce"):
@@ -196,6 +220,11 @@ def test_a_backward_that_is_not_the_last_leaves_its_reduce_scatter_in_flight(ran
         assert rank["not last"]["set after the first"] == []
         for name, p in model.named_parameters():
             torch.testing.assert_close(rank["not last"]["grads"][name], p.grad / WORLD, rtol=0, atol=TOL, msg=name)
+
+
+def test_the_last_microbatch_reduces_each_group_once(ranks):
+    for rank in ranks:
+        assert rank["children only"] == ["all_reduce", "all_reduce", "reduce_scatter", "reduce_scatter"]
 
 
 def test_the_switches_take_bools_only(ranks):

@@ -144,6 +144,16 @@ def test_cli_estimates_a_config_folder_like_the_named_model(tmp_path, capsys):
     assert f"{named.model_states / 1e9:.3f} GB" in out
 
 
+def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
+    fields = transformers.Qwen3Config(**SMALL).to_dict()
+    fields.pop("head_dim")
+    config = LlamaConfig.from_hf(fields)
+    assert config.head_dim == 128
+    assert count_parameters(config) == _hf_parameter_count(transformers.Qwen3Config(**SMALL))
+    with pytest.raises(ValueError, match="head_dim is null"):
+        LlamaConfig.from_hf({**fields, "head_dim": None})
+
+
 @pytest.mark.parametrize("change,words", [
     ({"model_type": "gemma"}, "model_type 'gemma' is not one whose parameters are this package's Llama"),
     ({"attention_bias": True}, "biases in every attention projection (the output's too)"),

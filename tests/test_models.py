@@ -103,6 +103,8 @@ def test_qwen_like_switches_build_counted_parameters_and_refuse_bad_heads():
         LlamaConfig(dim=96, n_heads=5, n_kv_heads=1, explicit_head_dim=25)
     with pytest.raises(ValueError, match="explicit_head_dim must be a positive int"):
         LlamaConfig(explicit_head_dim=0)
+    with pytest.raises(TypeError, match="LlamaConfig.qkv_bias must be True or False, got 'no'"):
+        LlamaConfig(qkv_bias="no")
 
 
 @pytest.mark.parametrize("make, field", [

@@ -67,12 +67,14 @@ class _ReduceScatter:
     """A reduce-scatter in flight; ``wait()`` hands each parameter its reduced rows."""
 
     def __init__(self, handle, input, output, output_is_temporary, params, split_numels,
-                 replicate_group=None, name="", divide_by: float | None = None, all_reduce: bool = True):
+                 replicate_group=None, name="", divide_by: float | None = None, all_reduce: bool = True,
+                 partials: list | None = None):
         self.handle, self.input, self.output, self.params = handle, input, output, params
         self.output_is_temporary, self.split_numels = output_is_temporary, split_numels
         self.replicate_group, self.name = replicate_group, name
         self.divide_by = divide_by  # None: the collectives averaged; else they summed, divide here
         self.all_reduce = all_reduce  # HSDP: False keeps the reduced rows until a later all-reduce
+        self.partials = partials  # HSDP, all-reducing: each parameter's kept rows (or None), taken at issue
 
     def wait(self) -> None:
         self.handle.wait()
@@ -85,11 +87,10 @@ class _ReduceScatter:
                 fsdp_param.keep_partial_reduced_grad(shard)
             return
         if self.replicate_group is not None:  # HSDP: average (or sum) the shard over the replicas
-            for fsdp_param, shard in zip(self.params, shards):
-                partial = fsdp_param.take_partial_reduced_grad()
+            for partial, shard in zip(self.partials or [], shards):
                 if partial is not None:  # the earlier microbatches' rows, reduced within the shard group
                     shard.add_(partial)
-            partial = None  # the last view of the earlier output: its bytes go now
+            self.partials = partial = None  # the last views of the earlier outputs: their bytes go now
             collectives.all_reduce(self.output, op="avg" if self.divide_by is None else "sum",
                                    group=self.replicate_group, meta={"module": self.name})
         if self.divide_by is not None and self.divide_by != 1:
@@ -296,8 +297,12 @@ class FSDPParamGroup:
                                                    meta={"module": self.name})
         if _SYNCHRONOUS:
             handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
+        # taken now, so that a second reduction in the same backward does not see them again
+        partials = None
+        if all_reduce and self.replicate_group is not None:
+            partials = [p.take_partial_reduced_grad() for p in params]
         return _ReduceScatter(handle, flat_input, output, temporary, params, split_numels,
-                              self.replicate_group, self.name, divide_by, all_reduce)
+                              self.replicate_group, self.name, divide_by, all_reduce, partials)
 
     # -- inspection --------------------------------------------------------------------------
     def unsharded_bytes(self) -> int:

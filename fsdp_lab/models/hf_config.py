@@ -58,6 +58,8 @@ def _refusal(fields: dict) -> str | None:
         return "it has biases in every attention projection (the output's too), which this package's Llama does not"
     if fields.get("hidden_act", "silu") != "silu":
         return f"its MLP uses {fields['hidden_act']!r}, not the SiLU-gated (SwiGLU) feed-forward"
+    if model_type == "qwen3" and "head_dim" in fields and not fields["head_dim"]:
+        return "its head_dim is null, which transformers refuses for Qwen3"
     head_dim = _head_dim(fields)
     if head_dim % 2:
         return f"its head_dim {head_dim} is odd, and rotary embeddings turn pairs of features"
@@ -65,8 +67,13 @@ def _refusal(fields: dict) -> str | None:
 
 
 def _head_dim(fields: dict) -> int:
-    """Features per attention head: ``head_dim`` when given, else hidden_size / heads (as transformers)."""
-    return fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    """Features per attention head as transformers reads it: ``head_dim`` when given, else
+    Qwen3's default of 128, else hidden_size / heads."""
+    if fields.get("head_dim"):
+        return fields["head_dim"]
+    if fields["model_type"] == "qwen3" and "head_dim" not in fields:
+        return 128
+    return fields["hidden_size"] // fields["num_attention_heads"]
 
 
 def llama_fields_from_hf(source: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_lab.checks import check_positive_int
+from fsdp_lab.checks import check_bool, check_positive_int
 from fsdp_lab.models.hf_config import llama_fields_from_hf
 
 INIT_STD = 0.02  # std of the normal init for every linear and embedding weight
@@ -48,6 +48,8 @@ class LlamaConfig:
     def __post_init__(self):
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             check_positive_int(f"LlamaConfig.{field}", getattr(self, field))
+        for flag in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            check_bool(f"LlamaConfig.{flag}", getattr(self, flag))
         if self.explicit_head_dim is not None:
             check_positive_int("LlamaConfig.explicit_head_dim", self.explicit_head_dim)
         elif self.dim % self.n_heads:
