@@ -67,27 +67,28 @@ class _ReduceScatter:
     """A reduce-scatter in flight; ``wait()`` hands each parameter its reduced rows."""
 
     def __init__(self, handle, input, output, output_is_temporary, params, split_numels,
-                 replicate_group=None, name="", divide_by: float | None = None, all_reduce: bool = True,
+                 replicate_group=None, name="", divide_by: float | None = None,
                  partials: list | None = None):
         self.handle, self.input, self.output, self.params = handle, input, output, params
         self.output_is_temporary, self.split_numels = output_is_temporary, split_numels
         self.replicate_group, self.name = replicate_group, name
         self.divide_by = divide_by  # None: the collectives averaged; else they summed, divide here
-        self.all_reduce = all_reduce  # HSDP: False keeps the reduced rows until a later all-reduce
-        self.partials = partials  # HSDP, all-reducing: each parameter's kept rows (or None), taken at issue
+        # HSDP: a list (each parameter's rows kept from earlier microbatches, or None, taken at
+        # issue) means all-reduce now; None means keep the reduced rows for a later all-reduce
+        self.partials = partials
 
     def wait(self) -> None:
         self.handle.wait()
         collectives.release(self.input)
         shards = torch.split(self.output, self.split_numels)
-        if self.replicate_group is not None and not self.all_reduce:
+        if self.replicate_group is not None and self.partials is None:
             # accumulating across microbatches: no all-reduce, no division and no .grad yet
             tag(self.output, "sharded_grads")
             for fsdp_param, shard in zip(self.params, shards):
                 fsdp_param.keep_partial_reduced_grad(shard)
             return
         if self.replicate_group is not None:  # HSDP: average (or sum) the shard over the replicas
-            for partial, shard in zip(self.partials or [], shards):
+            for partial, shard in zip(self.partials, shards):
                 if partial is not None:  # the earlier microbatches' rows, reduced within the shard group
                     shard.add_(partial)
             self.partials = partial = None  # the last views of the earlier outputs: their bytes go now
@@ -302,7 +303,7 @@ class FSDPParamGroup:
         if all_reduce and self.replicate_group is not None:
             partials = [p.take_partial_reduced_grad() for p in params]
         return _ReduceScatter(handle, flat_input, output, temporary, params, split_numels,
-                              self.replicate_group, self.name, divide_by, all_reduce, partials)
+                              self.replicate_group, self.name, divide_by, partials)
 
     # -- inspection --------------------------------------------------------------------------
     def unsharded_bytes(self) -> int:
