@@ -20,7 +20,9 @@
 // Under the lock nothing may allocate through c10 (the report would wait for the lock) nor touch
 // Python objects (freeing one can run a collection, whose finalizers may book an event).
 // Compiled at first use by fsdp_lab/memory/allocation_log.py (torch.utils.cpp_extension.load).
-#include <torch/extension.h>
+// pybind with torch's casters, not <torch/extension.h>: that one pulls in every ATen operator and
+// doubles the build's time.
+#include <torch/csrc/utils/pybind.h>
 #include <c10/core/Allocator.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/csrc/DynamicTypes.h>

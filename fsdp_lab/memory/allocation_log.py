@@ -1,8 +1,8 @@
 """The compiled ledger behind ``MemoryTracker(source="allocator")``: it hears the allocators'
 reports and books them as they come (``allocation_log.cpp`` says how).
 
-``allocation_log.cpp`` is built once per machine by ``torch.utils.cpp_extension.load`` (about a
-minute; cached on disk by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``),
+``allocation_log.cpp`` is built once per machine by ``torch.utils.cpp_extension.load`` (40 s on
+a 2-core CPU; cached on disk by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``),
 then loaded in a second or two by each process that uses it. It needs a C++ compiler and ninja.
 """
 
