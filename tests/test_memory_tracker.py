@@ -15,7 +15,7 @@ from fsdp_lab.memory.tracker import MemoryResult, MemoryTracker, format_rows, me
 F32 = 4
 
 # Both ways of feeding the tracker must give these tests' numbers ("allocator" builds its C++
-# allocation log at first use: about a minute, once per machine; skipped without a compiler).
+# allocation log at first use: 40 s on 2 cores, once per machine; skipped without a compiler).
 MISSING_TOOLCHAIN = toolchain_missing()
 ALLOCATOR = pytest.param("allocator", marks=pytest.mark.skipif(
     MISSING_TOOLCHAIN is not None, reason=f"MemoryTracker(source='allocator') needs {MISSING_TOOLCHAIN}"))
