@@ -113,6 +113,24 @@ def test_cpu_ranks_get_gloo_and_a_share_of_the_cores(runs):
         assert r["threads"] == max(1, os.cpu_count() // 2)
 
 
+def test_a_set_omp_num_threads_caps_a_rank_s_threads(runs):
+    assert os.environ["OMP_NUM_THREADS"] == "1"  # tests/conftest.py sets it for the whole run
+    (one,) = runs["one"][0]
+    assert one["threads"] == 1  # one rank alone would otherwise take every core
+
+
+def test_rank_threads_share_the_cores_and_keep_under_omp_num_threads(monkeypatch):
+    from fsdp_lab.launch_rank import rank_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [rank_threads(w, {}) for w in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert rank_threads(2, {"OMP_NUM_THREADS": "2"}) == 2
+    assert rank_threads(2, {"OMP_NUM_THREADS": "16"}) == 4   # a cap, never more than the share
+    assert rank_threads(1, {"OMP_NUM_THREADS": "1"}) == 1
+    for ignored in ("0", "", "two", "4,2"):                    # not a positive integer: no cap
+        assert rank_threads(2, {"OMP_NUM_THREADS": ignored}) == 4, ignored
+
+
 def _native_lines(tag, rank):
     """What ``_report`` writes below Python to stdout, less gloo's usual connection line."""
     return [f"{tag} native line from rank {rank}", f"{tag} child process of rank {rank}",
