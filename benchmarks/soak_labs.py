@@ -124,6 +124,8 @@ def run_pytest(paths: list[str], timeout: float, log: Path | None = None, condit
         # kernels and ranks import this copy of fsdp_lab
         path = os.pathsep.join(p for p in (tmp if conditions else None, str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONPATH=path, **{CONDITIONS[key]: str(value) for key, value in conditions.items()})
+        if "simulated_cpus" in conditions:  # ranks take N / world size threads, as on that machine (else
+            env["OMP_NUM_THREADS"] = str(conditions["simulated_cpus"])  # nbval's plugin would set 1)
         report = Path(tmp, "junit.xml")
         command = [sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider",
                    f"--junitxml={report}", *paths]

@@ -85,6 +85,20 @@ def test_a_lab_runs_under_nbval_from_inside_labs():
     assert run.returncode != 0 and "FileNotFoundError" in run.stdout  # what nbval does alone
 
 
+def test_kernels_under_nbval_run_one_thread_unless_the_environment_says(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    # what torch's and OpenMP's thread count follow when the kernel imports torch
+    cell = nbformat.v4.new_code_cell("import os\nprint(os.environ.get('OMP_NUM_THREADS'))", execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
+    notebook.cells = [cell]
+    nbformat.write(notebook, tmp_path / "threads.ipynb")
+    env = {k: v for k, v in env_with_repo().items() if k != "OMP_NUM_THREADS"}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-p", PLUGIN,
+               "--nbval", "--nbval-current-env", "threads.ipynb"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
+
+
 def test_a_relative_path_is_found_from_the_root_only_when_missing_here(tmp_path, monkeypatch):
     (tmp_path / "labs").mkdir()
     (tmp_path / "labs" / "x.cfg").write_text("")

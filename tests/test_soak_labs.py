@@ -46,7 +46,7 @@ def test_cpus_makes_every_process_of_the_run_see_that_many_cores(tmp_path):
     (tmp_path / "test_cores.py").write_text(
         "import os, subprocess, sys, torch\n\n"
         "def test_cores():\n"
-        "    assert os.cpu_count() == 7 and torch.get_num_threads() == 7\n"
+        "    assert os.cpu_count() == 7 and torch.get_num_threads() == 7 and os.environ['OMP_NUM_THREADS'] == '7'\n"
         "    child = subprocess.run([sys.executable, '-c', 'import os, torch; print(os.cpu_count(), "
         "torch.get_num_threads())'], capture_output=True, text=True, timeout=120)\n"
         "    assert child.stdout.split() == ['7', '7'], child.stderr\n")

@@ -2,7 +2,7 @@
 
 pyproject's ``addopts`` names it (``-p fsdp_lab.workshop.nbval_plugin``), so it is active in
 every pytest run under the repository, ``pytest --nbval labs/`` included, and nowhere else.
-It does two things nbval does not:
+It does three things nbval does not:
 
 * **The sanitize file is found from any directory.** ``addopts`` names it relative to the
   repository root (``labs/nbval_sanitize.cfg``), and nbval opens it relative to the current
@@ -18,11 +18,18 @@ It does two things nbval does not:
   starts, each with new ports, for a kernel that died before replying. A kernel that is alive but
   slow to reply (nbval's startup timeout) is not started again: that is a slow machine, and
   waiting twice would not help.
+* **Lab kernels run one CPU thread** (``OMP_NUM_THREADS=1`` unless the environment sets it;
+  their ranks then take one each too, see ``fsdp_lab.launch_rank.rank_threads``). Under nbval
+  the labs share the machine with other notebooks, their ranks and pytest's workers; there a
+  second OpenMP thread makes the small operations of the labs' models wait at every parallel
+  region for a thread that is not running (one lab cell took 131 s instead of 10 s with two
+  workers on 2 cores); on idle cores it did not make a training step of the "cpu" Llama faster.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 ATTEMPTS = 3
@@ -57,12 +64,15 @@ def from_root(path: str | None, root: pathlib.Path) -> str | None:
 
 
 def pytest_configure(config) -> None:
-    """Resolve the sanitize file and wrap the ``start_new_kernel`` nbval calls (once per
-    process); nothing without nbval."""
+    """Resolve the sanitize file, wrap the ``start_new_kernel`` nbval calls (once per
+    process) and, when notebooks are collected (``--nbval``/``--nbval-lax``), give the kernels
+    one thread; nothing without nbval."""
     try:
         import nbval.kernel
     except ImportError:
         return
+    if config.option.nbval or config.option.nbval_lax:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every kernel nbval starts
     config.option.nbval_sanitize_with = from_root(config.option.nbval_sanitize_with, config.rootpath)
     if not getattr(nbval.kernel.start_new_kernel, "retries_kernel_deaths", False):
         nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
