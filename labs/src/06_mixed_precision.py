@@ -220,7 +220,8 @@ CELLS = [
 
     ## 4. The policies, measured
 
-    Each policy trains the same model on the same data for 50 steps of 3 microbatches (2 ranks).
+    Each policy trains the same model on the same data for `STEPS` steps of `MICRO` microbatches (2 ranks;
+    the cell sets them and the check under the figure prints how many steps it compared).
     The second step (after the first has allocated the optimizer state) is measured on rank 0: the highest each memory category reached (MemoryTracker's
     `max_by_category()`, one column each; these maxima happen at different moments, so they do not add
     up), the peak of the total (`peak_total()`, the sum of `peak()`), and bytes of the collectives (Timeline; the size
@@ -232,7 +233,7 @@ CELLS = [
     `fsdp_lab.grad_scaler.ShardedLossScaler`.
     """),
     code("""
-    STEPS, BATCH, SEQ, MICRO = 50, 6, 16, 3
+    STEPS, BATCH, SEQ, MICRO = 20, 6, 16, 3
 
     def train_policy(fields, steps=STEPS, bf16_model=False):
         model = Llama(CONFIG, seed=0)
