@@ -189,7 +189,7 @@ CELLS = [
     SwiGLU, no dropout, grouped-query attention by `repeat_interleave`); other implementations save other
     tensors — for GPT-style models see Korthikanti et al., *Reducing Activation Recomputation in Large
     Transformer Models* (2022). With d the width, f the SwiGLU hidden size, h the heads and e bytes per
-    element, one block saves:
+    element, one block saves (for the Llamas of this lab: heads d / h wide, no head norms, no adapters):
 
     | where | saved tensor | bytes |
     | --- | --- | --- |
@@ -206,7 +206,9 @@ CELLS = [
     cos/sin tables; residual additions save nothing; the fused attention kernel saves no T x T matrix. The
     model adds one final RMSNorm, what the loss keeps (its float32 log-softmax, 4TV, and the int64 labels, 8T)
     and the int64 input ids the embedding saves (8T).
-    `activation_bytes` in the estimator is this formula; we measure the activations after forward only.
+    `activation_bytes` in the estimator is this formula for such a Llama; heads of another width
+    (`head_dim` set apart from d / h), Qwen3's head norms and QLoRA (frozen norms, adapters) add terms of their own
+    (`docs/memory.md`). We measure the activations after forward only.
     """),
     code("""
     def forward_activations(batch_size, seq_len):
