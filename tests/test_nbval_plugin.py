@@ -85,7 +85,7 @@ def test_a_lab_runs_under_nbval_from_inside_labs():
     assert run.returncode != 0 and "FileNotFoundError" in run.stdout  # what nbval does alone
 
 
-def test_kernels_under_nbval_run_one_thread_unless_the_environment_says(tmp_path):
+def test_kernels_under_nbval_get_one_thread_where_nothing_set_it(tmp_path):
     notebook = nbformat.v4.new_notebook()
     # what torch's and OpenMP's thread count follow when the kernel imports torch
     cell = nbformat.v4.new_code_cell("import os\nprint(os.environ.get('OMP_NUM_THREADS'))", execution_count=1)
