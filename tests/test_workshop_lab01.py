@@ -15,9 +15,9 @@ import torch
 
 from fsdp_lab import collectives
 from fsdp_lab.workshop import lab01
-from test_workshop_labs import SharedLaunch, shipped
+from test_workshop_labs import SharedLaunch, Shipped
 
-LAB01 = shipped("01_collectives")
+LAB01 = Shipped("01_collectives")
 
 
 def reduce_scatter_itself(t):

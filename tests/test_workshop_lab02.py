@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from fsdp_lab.workshop import lab02
-from test_workshop_labs import shipped
+from test_workshop_labs import Shipped
 
-LAB02 = shipped("02_memory_anatomy")
+LAB02 = Shipped("02_memory_anatomy")
 
 
 # ----------------------------------------------------------------------------- model states

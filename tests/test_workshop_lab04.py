@@ -17,9 +17,9 @@ import torch
 import fsdp_lab
 from fsdp_lab import collectives
 from fsdp_lab.workshop import lab04
-from test_workshop_labs import SharedLaunch, refuse_launch, shipped
+from test_workshop_labs import SharedLaunch, Shipped, refuse_launch
 
-LAB04 = shipped("04_fsdp1_flat_parameters")
+LAB04 = Shipped("04_fsdp1_flat_parameters")
 
 
 # ----------------------------------------------------------------------------- rank_shard

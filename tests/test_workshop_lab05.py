@@ -16,9 +16,9 @@ import torch
 import fsdp_lab
 from fsdp_lab import collectives
 from fsdp_lab.workshop import lab05
-from test_workshop_labs import SharedLaunch, refuse_launch, shipped
+from test_workshop_labs import SharedLaunch, Shipped, refuse_launch
 
-LAB05 = shipped("05_fsdp2_per_parameter")
+LAB05 = Shipped("05_fsdp2_per_parameter")
 
 
 # ----------------------------------------------------------------------------- shard_param

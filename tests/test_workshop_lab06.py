@@ -12,9 +12,9 @@ import torch
 
 from fsdp_lab import collectives
 from fsdp_lab.workshop import lab06
-from test_workshop_labs import SharedLaunch, refuse_launch, shipped
+from test_workshop_labs import SharedLaunch, Shipped, refuse_launch
 
-LAB06 = shipped("06_mixed_precision")
+LAB06 = Shipped("06_mixed_precision")
 
 
 # ----------------------------------------------------------------------------- the reduction

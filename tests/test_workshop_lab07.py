@@ -12,9 +12,9 @@ import pytest
 from fsdp_lab.compare import compare
 from fsdp_lab.timeline import _union
 from fsdp_lab.workshop import lab07
-from test_workshop_labs import shipped
+from test_workshop_labs import Shipped
 
-LAB07 = shipped("07_prefetch_and_overlap")
+LAB07 = Shipped("07_prefetch_and_overlap")
 
 
 @pytest.fixture(scope="module")

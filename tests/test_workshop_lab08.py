@@ -19,9 +19,9 @@ from fsdp_lab.qlora import NF4_CODEBOOK
 from fsdp_lab.qlora.nf4 import nearest_nf4_code
 from fsdp_lab.workshop import lab08
 from _launch_helpers import env_with_repo
-from test_workshop_labs import shipped
+from test_workshop_labs import Shipped
 
-LAB08 = shipped("08_qlora", {"F": F, "NF4_CODEBOOK": NF4_CODEBOOK})
+LAB08 = Shipped("08_qlora", {"F": F, "NF4_CODEBOOK": NF4_CODEBOOK})
 
 
 def brute_force_code(values: torch.Tensor) -> torch.Tensor:

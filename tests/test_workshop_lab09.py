@@ -14,9 +14,9 @@ import torch
 from fsdp_lab import collectives
 from fsdp_lab.oom import memory_budget
 from fsdp_lab.workshop import lab09
-from test_workshop_labs import shipped
+from test_workshop_labs import Shipped
 
-SHIPPED = shipped("09_slaying_ooms")
+SHIPPED = Shipped("09_slaying_ooms")
 
 
 def sum_flags(oom, not_done):

@@ -12,14 +12,14 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from test_workshop_labs import NAMESPACE, SharedLaunch, refuse_launch, shipped  # noqa: E402
+from test_workshop_labs import NAMESPACE, SharedLaunch, Shipped, refuse_launch  # noqa: E402
 
 from fsdp_lab.fsdp2 import fully_shard  # noqa: E402
 from fsdp_lab.qlora import LoRALinear  # noqa: E402
 from fsdp_lab.workshop import lab10  # noqa: E402
 
 NAMESPACE.setdefault("fully_shard", fully_shard)   # the lab's imports, as in its notebook
-LAB10 = shipped("10_hugging_face")
+LAB10 = Shipped("10_hugging_face")
 
 
 def root_only(model):

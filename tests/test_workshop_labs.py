@@ -19,6 +19,7 @@ import math
 import pathlib
 import sys
 import traceback
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -30,28 +31,49 @@ from fsdp_lab.workshop import checking, lab00, lab01, lab03, zero
 from fsdp_lab.workshop.zero import DataParallel, alloc_storage, free_storage
 
 LABS = pathlib.Path(__file__).resolve().parents[1] / "labs"
-sys.path.insert(0, str(LABS / "src"))
-import nbbuild  # noqa: E402
 
 NAMESPACE = {"torch": torch, "collectives": collectives, "math": math, "functools": functools,
              "DataParallel": DataParallel, "alloc_storage": alloc_storage, "free_storage": free_storage}
 
 
-def shipped(lab: str, names: dict | None = None) -> dict[str, tuple[object, object]]:
+class Shipped(Mapping):
     """{name: (stub, solution)} of the exercises of ``labs/src/<lab>.py``, each defined from its
     text as a learner's notebook defines it (sent to ranks by value, like a notebook's).
-    ``names``: what the lab's set-up cells import beyond ``NAMESPACE``."""
-    out = {}
-    for ex in nbbuild.exercises(nbbuild.load_cells(LABS / "src" / f"{lab}.py")):
-        versions = []
-        for text in (ex.student, ex.solution):
-            namespace = {"__name__": f"notebook_{lab}", **NAMESPACE, **(names or {})}
-            before = set(namespace)
-            exec(compile(text, f"<{lab} exercise>", "exec"), namespace)
-            (name,) = [n for n in namespace if n not in before and not n.startswith("__")]
-            versions.append(namespace[name])
-        out[name] = tuple(versions)
-    return out
+    ``names``: what the lab's set-up cells import beyond ``NAMESPACE``.
+
+    Read on first use, not when the test module is imported: a rank that unpickles one of a test
+    module's functions imports that module, and reading a lab imports nbformat (about 3 s of
+    CPU a rank, at every launch)."""
+
+    def __init__(self, lab: str, names: dict | None = None):
+        self.lab, self.names = lab, names or {}
+
+    @functools.cached_property
+    def _exercises(self) -> dict[str, tuple[object, object]]:
+        if str(LABS / "src") not in sys.path:
+            sys.path.insert(0, str(LABS / "src"))
+        import nbbuild
+
+        out = {}
+        for ex in nbbuild.exercises(nbbuild.load_cells(LABS / "src" / f"{self.lab}.py")):
+            versions = []
+            for text in (ex.student, ex.solution):
+                namespace = {"__name__": f"notebook_{self.lab}", **NAMESPACE, **self.names}
+                before = set(namespace)
+                exec(compile(text, f"<{self.lab} exercise>", "exec"), namespace)
+                (name,) = [n for n in namespace if n not in before and not n.startswith("__")]
+                versions.append(namespace[name])
+            out[name] = tuple(versions)
+        return out
+
+    def __getitem__(self, name: str) -> tuple[object, object]:
+        return self._exercises[name]
+
+    def __iter__(self):
+        return iter(self._exercises)
+
+    def __len__(self) -> int:
+        return len(self._exercises)
 
 
 def _each(target, cases):
@@ -113,7 +135,7 @@ def sum_of_values(values):
     return total.item()
 
 
-LAB00 = shipped("00_start_here")
+LAB00 = Shipped("00_start_here")
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +222,7 @@ def own_chunk_unreduced(t):
     return t[rank * k:(rank + 1) * k].clone()
 
 
-LAB01 = shipped("01_collectives")
+LAB01 = Shipped("01_collectives")
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +352,7 @@ class ShardOfOnlyZeRO3(zero.ZeRO3):
         self.shards = None                                 # kept only in self.shard_of
 
 
-LAB03 = shipped("03_zero_by_hand")
+LAB03 = Shipped("03_zero_by_hand")
 STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced"}),
           "ZeRO1": (lab03.check_zero1, zero.ZeRO1, {UngatheredZeRO1: "not_gathered",
                                                     AllReduceZeRO1: "wire_bytes",
