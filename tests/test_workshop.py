@@ -11,6 +11,7 @@ import json
 import pathlib
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -310,6 +311,43 @@ def labs_copy(tmp_path):
     shutil.copy(LABS / "solutions" / "00_start_here.ipynb", labs / "solutions")
     yield labs
     sys.modules["nbbuild"] = nbbuild  # the command loaded the copy's; lab sources import by name
+
+
+class UnwokenWaits:
+    """A shell channel's ``get_msg`` whose message is there from the start but whose first
+    ``misses`` waits are not woken by it: each runs to its timeout, as the real one did."""
+
+    def __init__(self, misses: int | None):
+        self.misses, self.timeouts = misses, []
+
+    async def get_msg(self, timeout=None):
+        import asyncio
+        from queue import Empty
+
+        self.timeouts.append(timeout)
+        if self.misses is not None and len(self.timeouts) > self.misses:
+            return {"msg_type": "execute_reply"}
+        await asyncio.sleep(timeout)
+        raise Empty
+
+
+def test_lab_client_reads_a_reply_whose_wait_was_not_woken_within_a_slice(monkeypatch):
+    import asyncio
+    from queue import Empty
+
+    monkeypatch.setattr(nbbuild, "SHELL_WAIT_SLICE_S", 0.05)
+    channel = UnwokenWaits(misses=2)
+    reply = asyncio.run(nbbuild._sliced(channel.get_msg)(timeout=600))
+    assert reply == {"msg_type": "execute_reply"} and channel.timeouts == [0.05, 0.05, 0.05]
+    # a cell's own timeout still ends the wait, with the error nbclient expects
+    channel = UnwokenWaits(misses=None)
+    start = time.monotonic()
+    with pytest.raises(Empty):
+        asyncio.run(nbbuild._sliced(channel.get_msg)(timeout=0.2))
+    assert time.monotonic() - start >= 0.19 and all(t <= 0.05 for t in channel.timeouts)
+    # no timeout: slices until a message comes
+    channel = UnwokenWaits(misses=3)
+    assert asyncio.run(nbbuild._sliced(channel.get_msg)(timeout=None)) == {"msg_type": "execute_reply"}
 
 
 def test_lab_reset_brings_the_stubs_back_and_keeps_a_backup(labs_copy, capsys):
