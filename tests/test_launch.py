@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fsdp_lab
 from fsdp_lab import collectives
 from fsdp_lab.dist import comm_needs_host_staging, current_device, init_distributed, is_simulated
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch

@@ -10,6 +10,7 @@ terminal, and a kernel that lost its ports at start, did to a whole lab.
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,16 @@ DIES_ONCE = textwrap.dedent("""
 """)
 
 
+def one_cell_notebook(path: pathlib.Path, source: str, printed: str) -> pathlib.Path:
+    """Write at ``path`` a notebook of one code cell, ``source``, saved as having printed ``printed``."""
+    notebook = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell(source, execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed)]
+    notebook.cells = [cell]
+    nbformat.write(notebook, path)
+    return path
+
+
 @pytest.fixture
 def dies_once(tmp_path):
     """A kernelspec "dies-once" under ``tmp_path`` and a notebook to run on it."""
@@ -46,12 +57,7 @@ def dies_once(tmp_path):
     (spec / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, str(spec / "start.py"), "-f", "{connection_file}"],
         "display_name": "dies once", "language": "python"}))
-    notebook = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("print(1 + 1)", execution_count=1)
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="2\n")]
-    notebook.cells = [cell]
-    path = tmp_path / "one_cell.ipynb"
-    nbformat.write(notebook, path)
+    path = one_cell_notebook(tmp_path / "one_cell.ipynb", "print(1 + 1)", "2\n")
 
     def run(*plugin):
         (spec / "died_once").unlink(missing_ok=True)
@@ -73,11 +79,7 @@ def test_a_kernel_that_dies_at_start_is_started_again(dies_once):
 
 def test_a_notebook_runs_under_nbval_from_inside_labs(tmp_path):
     # its output differs in every run until the labs' sanitize file turns it into 0xADDRESS
-    notebook = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell("print(hex(id(object())))", execution_count=1)
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="0x12345678\n")]
-    notebook.cells = [cell]
-    nbformat.write(notebook, tmp_path / "address.ipynb")
+    one_cell_notebook(tmp_path / "address.ipynb", "print(hex(id(object())))", "0x12345678\n")
 
     def nbval_in_labs(*options):
         # ``-c`` makes the repository pytest's root, as ``pytest --nbval 00_start_here.ipynb``
@@ -95,12 +97,8 @@ def test_a_notebook_runs_under_nbval_from_inside_labs(tmp_path):
 
 
 def test_kernels_under_nbval_get_one_thread_where_nothing_set_it(tmp_path):
-    notebook = nbformat.v4.new_notebook()
     # what torch's and OpenMP's thread count follow when the kernel imports torch
-    cell = nbformat.v4.new_code_cell("import os\nprint(os.environ.get('OMP_NUM_THREADS'))", execution_count=1)
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]
-    notebook.cells = [cell]
-    nbformat.write(notebook, tmp_path / "threads.ipynb")
+    one_cell_notebook(tmp_path / "threads.ipynb", "import os\nprint(os.environ.get('OMP_NUM_THREADS'))", "1\n")
     env = {k: v for k, v in env_with_repo().items() if k != "OMP_NUM_THREADS"}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-p", PLUGIN,
                "--nbval", "--nbval-current-env", "threads.ipynb"]
