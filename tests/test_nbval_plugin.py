@@ -1,8 +1,8 @@
-"""fsdp_lab.workshop.nbval_plugin: the labs under nbval from any directory, and a lab's kernel
-that dies before replying started again.
+"""fsdp_lab.workshop.nbval_plugin: the labs under nbval from any directory, a lab's kernel that
+dies before replying started again, and one OpenMP thread for the kernels nbval starts.
 
-End to end: lab 00 from inside ``labs/`` with the test command's options; and nbval on a
-one-cell notebook whose kernel's first start exits at once (a kernelspec made here), with the
+End to end: a one-cell notebook from inside ``labs/`` with the test command's options; and nbval
+on a one-cell notebook whose kernel's first start exits at once (a kernelspec made here), with the
 plugin and without it. Without, every cell errors in both, which is what a run from a JupyterLab
 terminal, and a kernel that lost its ports at start, did to a whole lab.
 """
@@ -10,11 +10,13 @@ terminal, and a kernel that lost its ports at start, did to a whole lab.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 import tomllib
+import types
 
 import nbformat
 import pytest
@@ -104,6 +106,22 @@ def test_kernels_under_nbval_get_one_thread_where_nothing_set_it(tmp_path):
                "--nbval", "--nbval-current-env", "threads.ipynb"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:]
+
+
+@pytest.mark.parametrize("nbval, set_before, after", [
+    (True, None, "1"),     # notebooks collected, nothing set: one thread
+    (True, "3", "3"),      # a value the user set is kept
+    (False, None, None),   # no notebooks: the environment is left alone
+])
+def test_the_thread_count_is_set_only_for_nbval_and_only_where_unset(nbval, set_before, after, monkeypatch, tmp_path):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")  # recorded, so the value from before comes back
+    if set_before is None:
+        monkeypatch.delenv("OMP_NUM_THREADS")
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", set_before)
+    option = types.SimpleNamespace(nbval=nbval, nbval_lax=False, nbval_sanitize_with=None)
+    nbval_plugin.pytest_configure(types.SimpleNamespace(option=option, rootpath=tmp_path))
+    assert os.environ.get("OMP_NUM_THREADS") == after
 
 
 def test_a_relative_path_is_found_from_the_root_only_when_missing_here(tmp_path, monkeypatch):
