@@ -92,12 +92,12 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     class) from an importable module goes by name, so every rank imports that module at every
     launch (CPU ranks on Linux fork from a server that preloaded only torch and this package's
     engine; other ranks start a fresh interpreter): a module that is slow to import (one that
-    reads notebooks or builds a model at import) costs that time once per rank per launch. Every rank has the default process group initialised
-    (``backend``: "auto", "gloo" or "nccl", see :func:`fsdp_lab.dist.choose_backend`), its
-    device chosen (:func:`fsdp_lab.dist.current_device`), RANK/WORLD_SIZE/LOCAL_RANK set,
-    ``sys.path`` and ``sys.argv`` as the caller's, and
-    ``torch.set_num_threads(cpu_count // world_size)`` (at most ``OMP_NUM_THREADS`` where the
-    caller's environment sets it; see ``launch_rank.rank_threads``).
+    reads notebooks or builds a model at import) costs that time once per rank per launch.
+    Every rank has the default process group initialised (``backend``: "auto", "gloo" or
+    "nccl", see :func:`fsdp_lab.dist.choose_backend`), its device chosen
+    (:func:`fsdp_lab.dist.current_device`), RANK/WORLD_SIZE/LOCAL_RANK set, ``sys.path`` and
+    ``sys.argv`` as the caller's, and ``torch.set_num_threads(cpu_count // world_size)`` (at most
+    ``OMP_NUM_THREADS`` where the caller's environment sets it; see ``launch_rank.rank_threads``).
     Return values come back as CPU objects. Output of the ranks in ``print_ranks`` ("all",
     None for none) appears in the caller's stdout/stderr (``sys.stdout``, so a notebook shows
     it in the launching cell), prefixed with "[rank r] " when more than one rank prints: Python's
