@@ -7,11 +7,13 @@ tests/test_workshop_labs.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import shutil
 import sys
 import time
+from queue import Empty
 
 import pytest
 
@@ -321,9 +323,6 @@ class UnwokenWaits:
         self.misses, self.timeouts = misses, []
 
     async def get_msg(self, timeout=None):
-        import asyncio
-        from queue import Empty
-
         self.timeouts.append(timeout)
         if self.misses is not None and len(self.timeouts) > self.misses:
             return {"msg_type": "execute_reply"}
@@ -332,9 +331,6 @@ class UnwokenWaits:
 
 
 def test_lab_client_reads_a_reply_whose_wait_was_not_woken_within_a_slice(monkeypatch):
-    import asyncio
-    from queue import Empty
-
     monkeypatch.setattr(nbbuild, "SHELL_WAIT_SLICE_S", 0.05)
     channel = UnwokenWaits(misses=2)
     reply = asyncio.run(nbbuild._sliced(channel.get_msg)(timeout=600))
