@@ -273,6 +273,14 @@ class SilentDDP(zero.DataParallel):
     pass                                                # never communicates
 
 
+class TorchDistributedDDP(zero.DataParallel):
+    def after_backward(self):
+        import torch.distributed as dist
+        for p in self.params:                           # right, but unseen by the timeline
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+
+
 class UngatheredZeRO1(zero.ZeRO1):
     def after_step(self):
         pass                                            # slices never gathered back
@@ -353,7 +361,8 @@ class ShardOfOnlyZeRO3(zero.ZeRO3):
 
 
 LAB03 = Shipped("03_zero_by_hand")
-STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced"}),
+STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced",
+                                              TorchDistributedDDP: "no_collective"}),
           "ZeRO1": (lab03.check_zero1, zero.ZeRO1, {UngatheredZeRO1: "not_gathered",
                                                     AllReduceZeRO1: "wire_bytes",
                                                     OtherSliceZeRO1: "wrong_shard",

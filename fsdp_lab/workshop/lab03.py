@@ -358,6 +358,12 @@ def _check_stage(stage: str, stage_class):
         if got["gathered"] >= whole:
             return mistake("not_freed_after_forward", "every parameter was gathered at the same "
                                                       "time: free each unit after its forward")
+    if not got["collectives"]:
+        return mistake("no_collective", f"{stage} trained right, but no collective went through "
+                                        "fsdp_lab.collectives, which the check records to count the bytes "
+                                        "on the wire (torch.distributed's own functions bypass it)",
+                       "call collectives.all_reduce, reduce_scatter_tensor and all_gather_into_tensor: "
+                       "torch.distributed's arguments, recorded on the timeline")
     if got["wire"] != want["wire"]:
         used = ", ".join(f"{calls} {name}" for name, (calls, _) in got["collectives"].items())
         hint = ""
