@@ -68,6 +68,23 @@ def test_nearest_code_matches_brute_force_float64():
     assert torch.equal(nearest_nf4_code(values).long(), expected)
 
 
+# bitsandbytes' decision thresholds (the float constants of its dQuantizeNF4), ascending: code k+1
+# when x > BNB_THRESHOLDS[k], so a value equal to one takes the lower code
+BNB_THRESHOLDS = [
+    -0.8480964004993439, -0.6106329262256622, -0.4599952697753906, -0.33967943489551544,
+    -0.23460740596055984, -0.13791173323988914, -0.045525018125772476, 0.03979014977812767,
+    0.1202552504837513, 0.2035212516784668, 0.2920137718319893, 0.3893125355243683,
+    0.5016634166240692, 0.6427869200706482, 0.8614784181118011,
+]
+
+
+def test_codes_at_and_just_above_bitsandbytes_thresholds():
+    thresholds = torch.tensor(BNB_THRESHOLDS, dtype=torch.float32)
+    assert torch.equal(nearest_nf4_code(thresholds).long(), torch.arange(15))
+    just_above = torch.nextafter(thresholds, torch.tensor(2.0))
+    assert torch.equal(nearest_nf4_code(just_above).long(), torch.arange(1, 16))
+
+
 def test_exact_tie_goes_to_lower_code():
     cb = torch.tensor(PUBLISHED, dtype=torch.float32)
     exact_ties = 0
@@ -86,7 +103,7 @@ def test_exact_tie_goes_to_lower_code():
         codes = unpack_nibbles(packed)
         assert codes[1].item() == k, f"tie between codes {k} and {k + 1} went to {codes[1].item()}"
         assert codes[2].item() == k + 1
-    assert exact_ties >= 5  # 7 of the 15 float32 midpoints are exact ties
+    assert exact_ties == 6  # the others' float32 sums round: those midpoints are not exactly halfway
 
 
 def test_packing_by_hand():

@@ -81,7 +81,8 @@ def nearest_nf4_code(normalized: torch.Tensor) -> torch.Tensor:
     """Index (uint8, 0..15) of the nearest NF4 code for each value in [-1, 1].
 
     Code k is chosen when midpoint[k-1] < value <= midpoint[k], with the midpoints of
-    neighbouring codes computed in float32, so an exact tie goes to the lower code.
+    neighbouring codes computed in float32 (bitsandbytes' thresholds), so a value on a midpoint
+    goes to the lower code, even where float32 rounding left that midpoint nearer the upper one.
     ``normalized`` is any float tensor; values outside [-1, 1] go to the end codes.
     Same shape as the input.
     """
@@ -122,7 +123,7 @@ def quantize_nf4_blocks(values: torch.Tensor, block_size: int = 64) -> tuple[tor
     ``values`` is flattened row-major and padded with zeros to a whole number of blocks
     (an empty tensor becomes one zero block). Each block is divided by its absmax (a
     block of zeros keeps scale 0 and codes 7, without dividing by zero), mapped to the
-    nearest code (ties go to the lower code) and packed two codes per byte, even-index
+    nearest code (a value on a float32 midpoint goes to the lower code) and packed two codes per byte, even-index
     element in the high nibble.
     Returns ``(packed, absmax)``: uint8 of n_blocks*block_size/2 bytes and float32 of
     n_blocks scales. Raises ValueError if ``block_size`` is not a positive even number.

@@ -55,7 +55,7 @@ import_cpp_extension_quietly()
 
 def nearest_code_cases() -> torch.Tensor:
     """The values every answer is tried on (float32): 10,000 uniform in [-1, 1], the 16 codes,
-    and the 15 exact midpoints between neighbouring codes (the ties)."""
+    and the 15 float32 midpoints between neighbouring codes (bitsandbytes' thresholds)."""
     from fsdp_lab.qlora.nf4 import NF4_CODEBOOK
 
     generator = torch.Generator().manual_seed(3)
@@ -73,8 +73,9 @@ def _midpoints() -> torch.Tensor:
                               "how many midpoints lie strictly below it")
 def check_nearest_code(nearest_code):
     """Compare ``nearest_code(values)`` with fsdp_lab's NF4 lookup on 10,000 uniform values in
-    [-1, 1], the 16 code values and the 15 midpoints between them (a tie goes to the lower code,
-    as in bitsandbytes); name the usual mistakes (float codes, ties sent up, an evenly spaced grid, mirrored codes)."""
+    [-1, 1], the 16 code values and the 15 float32 midpoints between them (a value on a midpoint
+    goes to the lower code, as in bitsandbytes); name the usual mistakes (float codes, midpoints
+    sent up, an argmin of distances, an evenly spaced grid, mirrored codes)."""
     from fsdp_lab.qlora.nf4 import nearest_nf4_code
 
     values = nearest_code_cases()
@@ -90,7 +91,7 @@ def check_nearest_code(nearest_code):
     got, want = got.long(), nearest_nf4_code(values).long()
     wrong = got != want
     if not wrong.any():
-        return correct(f"all {values.numel():,} values agree with fsdp_lab's lookup, the 15 exact ties "
+        return correct(f"all {values.numel():,} values agree with fsdp_lab's lookup, the 15 midpoints "
                        "included: each value goes to its nearest normal quantile, so the 16 codes are dense "
                        "near 0, where most weights are")
     ties = torch.isin(values, _midpoints())
@@ -98,13 +99,14 @@ def check_nearest_code(nearest_code):
     example = f"e.g. {values[first].item():+.6f} -> {got[first].item()}, want {want[first].item()}"
     if bool(ties[wrong].all()):
         if bool((got[ties] == want[ties] + 1).all()):
-            return mistake("ties_up", f"only the {int(wrong.sum())} exact midpoints differ ({example}): a "
-                                      "value halfway between two codes went to the upper one; bitsandbytes sends it "
+            return mistake("ties_up", f"only the {int(wrong.sum())} midpoints differ ({example}): a "
+                                      "value on a midpoint went to the upper code; bitsandbytes sends it "
                                       "to the lower",
                            "count midpoints strictly below the value (`>`, not `>=`)")
-        return mistake("tie_rounding", f"only exact midpoints differ ({example}): your midpoints (or distances "
-                                       "to two codes) are not the float32 midpoints, so a value halfway between "
-                                       "two codes goes either way",
+        return mistake("tie_rounding", f"only values on midpoints differ ({example}): an argmin of distances "
+                                       "(or midpoints not computed in float32) sends some of them up, where "
+                                       "float32 rounding left the midpoint a little nearer the upper code; "
+                                       "bitsandbytes' rule is a threshold, not a distance",
                        "compare each value with the 15 float32 midpoints (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2")
     uniform = torch.round((values + 1) / 2 * 15).long()
     if torch.equal(got, uniform):

@@ -87,9 +87,11 @@ CELLS = [
     ## 3. Quantize a block by hand, then with the library
 
     A block of 64 values is divided by its absolute maximum, each value replaced by the index of the nearest
-    code. Dequantizing multiplies the code value by the block's scale. (The argmin below gives the library's
-    codes for this block; at an exact midpoint the library takes the lower code, but the two float32 distances
-    argmin compares can round unequal: the last line counts the midpoints it sends up. See section 10.)
+    code. Dequantizing multiplies the code value by the block's scale. (The library, as bitsandbytes, compares
+    each value with the 15 midpoints between neighbouring codes, computed in float32, and a value equal to a
+    midpoint takes the lower code. The argmin below picks the nearest code, the same everywhere but on those
+    midpoints: their float32 sums round, so only some lie exactly halfway, and argmin sends a midpoint that
+    rounding left nearer the upper code up. The last line counts both. See section 10.)
     """),
     code("""
     torch.manual_seed(0)
@@ -105,8 +107,11 @@ CELLS = [
     error = (NF4_CODEBOOK[library] * absmax - block).abs().max() / absmax
     bound = ((NF4_CODEBOOK[1:] - NF4_CODEBOOK[:-1]).max() / 2).item()
     print(f"largest error / absmax: {error.item():.4f} (bound: half the widest gap, {bound:.4f})")
-    ties = ((NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2)[:, None] - NF4_CODEBOOK[None, :]   # midpoint minus code
-    print("midpoints argmin sends to the upper code:", int((ties.abs().argmin(dim=1) != torch.arange(15)).sum()), "of 15")
+    midpoints = (NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / 2                     # float32: bitsandbytes' thresholds
+    below, above = (midpoints - NF4_CODEBOOK[:-1]).double(), (NF4_CODEBOOK[1:] - midpoints).double()   # exact
+    sent_up = (midpoints[:, None] - NF4_CODEBOOK[None, :]).abs().argmin(dim=1) != torch.arange(15)
+    print(f"midpoints exactly halfway: {int((below == above).sum())} of 15 | argmin sends {int(sent_up.sum())} up,"
+          f" each nearer the upper code: {bool((below > above)[sent_up].all())}")
     """),
     md("""
     ### Packing: two codes per byte
@@ -144,7 +149,8 @@ CELLS = [
     the 16-entry code book, multiply by its block's absmax, cast. Element by element that is several kernels
     and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too (inductor writes C++),
     bit for bit the same values. The cell below prints the ratios `benchmarks/nf4_compile.py` recorded; the
-    next times this lab's weight (not compared). The eager gather form `fsdp_lab` uses is about as fast.
+    next times this lab's weight (not compared). The eager gather form `fsdp_lab` uses (one lookup, one
+    multiply) needs no compiler; both cells give its time as a multiple of the compiled one's.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -462,10 +468,12 @@ CELLS = [
 
     ## 10. Exercise: the nearest-code lookup
 
-    Write `nearest_code(normalised)`: for each value in [-1, 1], the index (0..15) of the nearest
-    `NF4_CODEBOOK` entry, where a value exactly halfway between two codes goes to the **lower** code (as
-    bitsandbytes does; torchao takes the argmin of distances to its rounded table, so its ties can go either
-    way). Hint: compare with the 15 midpoints between neighbouring codes, computed in float32.
+    Write `nearest_code(normalised)`: for each value in [-1, 1], its NF4 code (0..15) as bitsandbytes computes
+    it: the number of the 15 midpoints between neighbouring `NF4_CODEBOOK` entries, computed in float32, that
+    lie **strictly below** the value. That is the nearest code everywhere but on a midpoint itself, which goes
+    to the **lower** code even where float32 rounding left it a little nearer the upper one (section 3's last
+    line); an argmin of distances sends those up (torchao takes the argmin of distances to its rounded table,
+    so its codes near midpoints can go either way).
     """),
     exercise("""
     def nearest_code(normalised):
