@@ -62,6 +62,17 @@ def via_all_reduce(local_grad, wire_dtype):
     return total[rank * k:(rank + 1) * k].float() / world
 
 
+def via_all_gather(local_grad, wire_dtype):
+    """Right values: every rank gathers all the bf16 gradients and sums its slice itself."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wire = local_grad.to(wire_dtype)
+    everything = torch.empty(world * wire.numel(), dtype=wire_dtype)
+    collectives.all_gather_into_tensor(everything, wire)
+    k = wire.numel() // world
+    return everything.view(world, -1)[:, rank * k:(rank + 1) * k].sum(0).float() / world
+
+
 def local_only(local_grad, wire_dtype):
     import torch.distributed as dist
     return local_grad.chunk(dist.get_world_size())[dist.get_rank()].clone()
@@ -93,7 +104,7 @@ def torch_distributed_all_reduce(local_grad, wire_dtype):
 
 REDUCE_WRONG = {"added_to_local_shard": megatron_optim_bug, "not_averaged": summed, "wire_not_bf16": fp32_wire,
                 "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce,
-                "no_collective": local_only}
+                "not_reduce_scatter": via_all_gather, "no_collective": local_only}
 # the same mistakes made through torch.distributed's own functions, which the check records too
 DIRECT_WRONG = {"wire_not_bf16": torch_distributed_fp32_wire, "used_all_reduce": torch_distributed_all_reduce}
 
@@ -146,7 +157,16 @@ def not_unscaled(grads, scale):
     return bool(found.item())
 
 
-SCALE_WRONG = {"local_only": local_only, "missed_nan": isinf_only, "not_unscaled": not_unscaled}
+def last_shard_only(grads, scale):
+    for g in grads:
+        found = torch.tensor([0.0 if torch.isfinite(g).all() else 1.0])   # set anew for each shard
+        g.mul_(1.0 / scale)
+    collectives.all_reduce(found, op="max")
+    return bool(found.item())
+
+
+SCALE_WRONG = {"local_only": local_only, "missed_nan": isinf_only, "not_unscaled": not_unscaled,
+               "one_shard_only": last_shard_only}
 
 
 @pytest.fixture(scope="module")

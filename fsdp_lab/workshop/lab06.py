@@ -122,6 +122,11 @@ def check_reduce_grad_shard(reduce_grad_shard):
                        hint="cast local_grad to wire_dtype before the reduce-scatter, and the shard back "
                             "to float32 after it")
     sent = {w: sum(b for name, b, _ in out[0][w]["comm"]) for w in WIRES}
+    if "all_reduce" not in names and names != {"reduce_scatter"}:
+        return mistake("not_reduce_scatter", f"the values are right, but through {', '.join(sorted(names))} "
+                                             "instead of one reduce-scatter, which sums on the way and hands each "
+                                             "rank only its shard",
+                       hint="one collectives.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))")
     if "all_reduce" in names:
         return mistake("used_all_reduce", f"the values are right but you all-reduced: every rank received "
                                           f"the whole gradient ({sent['float32']} bytes per call) to keep a "
@@ -136,16 +141,20 @@ def check_reduce_grad_shard(reduce_grad_shard):
 # ----------------------------------------------------------------------------- loss scaling
 
 SCALE = 1024.0
-CASES = {"inf on rank 1": (1, float("inf")), "nan on rank 0": (0, float("nan")), "no overflow": (None, None)}
+# {case: (rank, shard, value)}: the bad value sits in either shard, so a flag that looks at one
+# shard only (set anew for each shard in a loop) misses one of the infs
+CASES = {"inf in rank 1's last shard": (1, 1, float("inf")), "nan in rank 0's first shard": (0, 0, float("nan")),
+         "inf in rank 0's first shard": (0, 0, float("inf")), "no overflow": (None, None, None)}
+INF_LAST, NAN_FIRST, INF_FIRST = list(CASES)[:3]
 
 
 def rank_shards(rank: int, case: str) -> list[torch.Tensor]:
     """Rank ``rank``'s scaled gradient shards (two tensors) in ``case``."""
     gen = torch.Generator().manual_seed(7 + rank)
     shards = [torch.randn(3, generator=gen) * SCALE, torch.randn(2, generator=gen) * SCALE]
-    bad_rank, value = CASES[case]
+    bad_rank, shard, value = CASES[case]
     if rank == bad_rank:
-        shards[1][0] = value
+        shards[shard][0] = value
     return shards
 
 
@@ -188,8 +197,9 @@ def _same_shards(mine, reference) -> bool:
                                    "if any shard has an inf or NaN (torch.isfinite); all-reduce the flag "
                                    "with op='max'; return bool(flag)")
 def check_unscale_and_check(unscale_and_check):
-    """Run ``unscale_and_check(shards, scale)`` on 2 ranks for an inf on rank 1, a NaN on rank 0 and
-    no overflow; compare with torch.amp.GradScaler on the whole gradient on one process."""
+    """Run ``unscale_and_check(shards, scale)`` on 2 ranks for an inf in rank 1's last shard, a NaN
+    and an inf in rank 0's first shard, and no overflow; compare with torch.amp.GradScaler on the
+    whole gradient on one process."""
     out = launch(_run_unscale, unscale_and_check, world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o[c]["found"]) for o in out for c in CASES):
         return placeholder_left("unscale_and_check")
@@ -204,7 +214,12 @@ def check_unscale_and_check(unscale_and_check):
                                          "looked only at its own shard, so one rank would step and the other "
                                          "skip: the model would mix updated and stale shards",
                            hint="all-reduce the flag (op='max') so every rank decides the same")
-    if verdicts["inf on rank 1"][0] and not verdicts["nan on rank 0"][0]:
+    if verdicts[INF_LAST][0] and not verdicts[INF_FIRST][0]:
+        return mistake("one_shard_only", f"with an {INF_LAST} you returned True, with an {INF_FIRST} False: "
+                                         "the flag kept only the last shard's verdict (set anew for each "
+                                         "shard?)", hint="set the flag once before the loop and only ever "
+                                                         "raise it inside")
+    if verdicts[INF_LAST][0] and verdicts[INF_FIRST][0] and not verdicts[NAN_FIRST][0]:
         return mistake("missed_nan", "an inf was found but a NaN was not: torch.isinf misses NaN",
                        hint="use torch.isfinite(...).all()")
     for case, (expected, _) in references.items():
@@ -222,8 +237,8 @@ def check_unscale_and_check(unscale_and_check):
         if not all(_same_shards(o[case]["shards"], unscaled[r]) for r, o in enumerate(out)):
             return mistake("wrong_unscale", f"with {case} your shards differ from what GradScaler.unscale_ "
                                             "leaves (divide in place, also when an overflow was found)")
-    return correct(f"every rank skips the two steps with an overflow (an inf on rank 1, a NaN on rank 0) and "
-                   f"steps the clean one, as torch.amp.GradScaler decides on the whole gradient; the shards are "
+    return correct(f"every rank skips the three steps with an overflow (an inf in either shard of either rank, "
+                   f"a NaN) and steps the clean one, as torch.amp.GradScaler decides on the whole gradient; the shards are "
                    f"divided by {SCALE:.0f}. One all-reduce of one element per step keeps the ranks agreeing")
 
 
@@ -382,7 +397,7 @@ def print_policy_ratios(table: dict) -> None:
           f"{highest(bf16, 'unsharded_params') / highest(fp32, 'unsharded_params'):.2f}; "
           f"all-gather bytes: {wire(bf16, 'all_gather') / wire(fp32, 'all_gather'):.2f}; "
           f"reduce-scatter bytes, bf16 / fp32 wire: {wire(acc16, 'reduce_scatter') / wire(bf16, 'reduce_scatter'):.2f}; "
-          f"accumulation buffer, fp32 / bf16 accumulation: "
+          f"acc.grad column, fp32 / bf16 accumulation: "
           f"{highest(acc32, 'unsharded_grads') / highest(acc16, 'unsharded_grads'):.2f}")
 
 

@@ -272,8 +272,9 @@ CELLS = [
     * **sharded** is the same everywhere: float32 master weights in every policy.
     * **gathered** halves with bf16 compute; so do the all-gather bytes.
     * **RS bytes** halve with a bf16 wire. The fourth policy keeps that bf16 wire but accumulates in
-      float32: its accumulation buffer (**acc.grad**) is about twice the third policy's (the ratios are
-      printed under the figure).
+      float32: its accumulation buffer doubles, so its **acc.grad** column is about twice the third policy's
+      (not exactly: the column's highest point also holds one bf16 gradient on its way into the buffer; the
+      ratios are printed under the figure).
     * The loss curves would lie on top of each other at this scale; the left panel plots each policy's
       *difference* from the float32 run instead; the cell under the figure prints each policy's losses
       and largest difference (after a ≈: their last digits depend on the CPU's bf16 kernels, so the
@@ -415,8 +416,8 @@ CELLS = [
     Write `unscale_and_check(grads, scale)`: `grads` is this rank's list of scaled gradient shards.
     Divide each by `scale` **in place**, and return `True` if any element on **any rank** is inf or NaN
     (one all-reduce of a one-element flag, `op="max"`), else `False`. The check runs it on 2 ranks — an inf
-    on rank 1 only, a NaN on rank 0 only, no overflow — and compares with `torch.amp.GradScaler` stepping
-    the whole gradient on one process.
+    in rank 1's last shard, a NaN and then an inf in rank 0's first shard, no overflow — and compares with
+    `torch.amp.GradScaler` stepping the whole gradient on one process.
     """),
     exercise("""
     def unscale_and_check(grads, scale):
