@@ -148,8 +148,8 @@ def _show(events) -> str:
     return " -> ".join(f"{kind} {unit}" for kind, unit in events)
 
 
-@checker("backward_order", hint="walk the blocks in reverse forward order; the first block's all-gather "
-                                "comes first; 'pre' issues the next block's all-gather before this block's "
+@checker("backward_order", hint="walk the blocks in reverse forward order; the all-gather of the last "
+                                "block in forward (forward[-1]) comes first; 'pre' issues the next block's all-gather before this block's "
                                 "bwd, 'post' right after it, 'none' only after this block's RS")
 def check_backward_order(backward_order, table):
     """Compare ``backward_order(forward, prefetch)`` for prefetch "none", "pre" and "post" with the
