@@ -94,11 +94,11 @@ CELLS = [
     md("""
     ### reduce-scatter + all-gather = all-reduce
 
-    DDP all-reduces gradients: every rank ends with the whole sum. FSDP's sharded strategies
-    (FSDP1's `FULL_SHARD` and `SHARD_GRAD_OP`, FSDP2's `fully_shard`) reduce-scatter them instead: each
-    rank keeps only the sum of *its shard*, the part its optimizer updates, and parameters are
-    all-gathered when they are needed whole. FSDP does all-reduce in two cases: `NO_SHARD` is DDP (one
-    all-reduce of the flat gradient), and `HYBRID_SHARD` / HSDP reduce-scatters inside a shard group and
+    DDP all-reduces gradients: every rank ends with the whole sum, divided by the world size (the mean).
+    FSDP's sharded strategies (FSDP1's `FULL_SHARD` and `SHARD_GRAD_OP`, FSDP2's `fully_shard`)
+    reduce-scatter them instead: each rank keeps only the mean of *its shard*, the part its optimizer
+    updates, and parameters are all-gathered when they are needed whole. FSDP does all-reduce in two cases:
+    `NO_SHARD` is DDP (one all-reduce of the flat gradient), and `HYBRID_SHARD` / HSDP reduce-scatters inside a shard group and
     then all-reduces each shard across the replica groups (PyTorch: `_reduce_grad_no_shard` and
     `_reduce_grad` in `torch/distributed/fsdp/_runtime_utils.py`; FSDP2's `foreach_reduce`). A
     reduce-scatter and an all-gather together move the same bytes as one all-reduce — a ring all-reduce

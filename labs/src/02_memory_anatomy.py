@@ -112,7 +112,8 @@ CELLS = [
 
     `MemoryTracker` is a `TorchDispatchMode`: it sees every op's output storage, counts each storage once,
     and drops it when the storage dies. Parameters, their `.grad` and the optimizer's state are recognised;
-    tensors autograd saves for backward are **activations**; everything else allocated is a **temporary**.
+    tensors autograd saves for backward are **activations**; everything else allocated is a **temporary**,
+    and what existed before tracking started (the rotary tables, the batch) is **other**.
     We take a warm-up step first so AdamW's state exists (the steady state).
     """),
     code("""
@@ -280,7 +281,8 @@ CELLS = [
           f"{r0.peak['comm_buffers'] / MiB:.3f}, temporaries {r0.peak['temporaries'] / MiB:.3f})")
     """),
     md("""
-    The totals agree; the categories do not, because the two peaks are different moments. The estimator puts
+    The totals are close here (the `total` row); the categories are not, because the two peaks are
+    different moments. The estimator puts
     the peak at the start of backward: every block's activations alive, the root's parameters gathered
     beside one block and its prefetched successor, one block's reduce-scatter buffer. The measured peak falls later, inside backward (the label above): the
     activations of the blocks already differentiated are freed, but the communication buffers and gradient
@@ -420,8 +422,9 @@ CELLS = [
       (the loss gradient, gathered FSDP blocks, optimizer temporaries).
     * `MemoryTracker` measures it by category from tensor storages — on CPU, GPU, or fake tensors — and
       `estimate` predicts it from shapes; they agree to the byte on model states and on single-process
-      activations. Under FSDP2 the totals agree but the measured and estimated peaks are different moments
-      of backward, so their categories differ (section 6).
+      activations. Under FSDP2 the totals come close (sections 6 and 7 print how close), but the measured
+      and estimated peaks are different moments of backward, so their categories differ (section 6) and the
+      estimate is neither an upper nor a lower bound.
     * Sharding (FSDP / ZeRO-3) divides model states by N; it does not touch activations — checkpointing does.
     * A simulated world and fake tensors answer "would this fit on 8 GPUs?" on a laptop.
 
