@@ -115,7 +115,9 @@ CELLS = [
     PyTorch's FSDP1 defaults to `use_orig_params=False`, where `named_parameters()` and the optimizer see
     one `FlatParameter` per unit; fsdp_lab implements only `use_orig_params=True` (what FSDP1 needs for
     `torch.compile` and for per-parameter optimizer settings). With it the original `Parameter` objects
-    stay on their modules with their original names, but outside forward each one's `.data` is a **1-D view of the rank's shard**: the
+    stay on their modules with their original names (fsdp_lab's `named_parameters()` drops the
+    `_fsdp_wrapped_module.` prefixes; PyTorch's drops them only inside `summon_full_params`), but outside
+    forward each one's `.data` is a **1-D view of the rank's shard**: the
     whole parameter flattened, a part of it (straddling), or an empty `(0,)` tensor. The optimizer
     steps these views, which writes straight into the flat shard.
     """),
@@ -166,7 +168,8 @@ CELLS = [
     One FULL_SHARD step on 2 ranks, each block its own unit. Forward: each unit is all-gathered in its
     pre-forward hook and freed after its forward (the root — embeddings, final norm, output — stays
     gathered: backward needs it at once). Backward: each block's unit is gathered again (prefetched one
-    unit ahead with `BACKWARD_PRE`), its gradients are reduce-scattered, and it is freed.
+    unit ahead with `BACKWARD_PRE`); once all its gradients exist it is freed and its flat gradient is
+    reduce-scattered (as in PyTorch's post-backward hook: reshard, then reduce).
 
     Besides the timeline, each run samples rank 0's memory and which units are gathered at named
     moments: before each block's attention and feed-forward in forward (and after its feed-forward),
@@ -241,7 +244,7 @@ CELLS = [
     One unit per block plus the root: in forward every unit is gathered, in backward every unit but the root
     again (the root is not freed after forward), and every unit reduce-scatters once. The table above and the middle panel are the same samples: in forward one block at
     a time is gathered beside the root; in backward the block being differentiated and, at some moments,
-    the next one (prefetched) — each freed once its gradients are reduce-scattered.
+    the next one (prefetched) — each freed as soon as all its gradients exist, before they are reduce-scattered.
 
     ## 5. Strategies and wrapping: memory against traffic
 

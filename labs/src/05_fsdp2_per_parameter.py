@@ -292,8 +292,9 @@ CELLS = [
     `True` frees each block after its forward and gathers it again in backward (more all-gathers, less
     memory); `False` keeps every block gathered from its forward to its backward. The first column is the
     peak of `unsharded_params` alone; the second adds `comm_buffers` at the same moment and takes the largest
-    sum over the moments of section 5's figure, so it counts the prefetched block that waits in the
-    all-gather's buffers: with it, `True` saves less than the first column suggests.
+    sum over the moments of section 5's figure, so it counts what waits in the collectives' buffers then:
+    the prefetched block in the all-gather's and, from `layers.2` on, the gradients of the block before in
+    the reduce-scatter's (section 5). With them, `True` saves less than the first column suggests.
     """),
     code("""
     def with_buffers(memory):
@@ -477,8 +478,9 @@ CELLS = [
       gradients are still concatenated or added into one flat gradient before the reduce-scatter). The
       unsharded parameter keeps its identity; only its storage comes and goes.
     * `reshard_after_forward=True` trades memory for one more all-gather per block: each block is freed
-      after its forward, but in backward the prefetched block waits in the all-gather's buffers, so the
-      saving is smaller than `unsharded_params` alone shows (section 6).
+      after its forward, but in backward the prefetched block waits in the all-gather's buffers (and the
+      block before's gradients in the reduce-scatter's), so the saving is smaller than `unsharded_params`
+      alone shows (section 6).
     * fsdp_lab's `fully_shard` and PyTorch's give the same losses and the same sharded parameters.
 
     Read next: `fsdp_lab/fsdp2/param.py` (one parameter's life) and `docs/fsdp2.md`.
