@@ -357,6 +357,7 @@ def test_bad_input_errors(world_results):
     assert "already a FullyShardedDataParallel unit" in errors["wrap twice"]
     assert "already managed" in errors["wrap the same module twice"]
     assert "device_id" in errors["device_id on CPU"]
+    assert errors["device_id cpu, as PyTorch's FSDP1 needs"] == "no error"
     if world > 1:
         assert "process_group has 1 ranks but the world has" in errors["group not matching the world"]
     if world in (1, 2):

@@ -283,6 +283,7 @@ def error_checks() -> dict:
         "wrap twice": lambda: FSDP(FSDP(nn.Linear(4, 4))),
         "wrap the same module twice": lambda: [FSDP(m) for m in [nn.Linear(4, 4)] * 2],
         "device_id on CPU": lambda: FSDP(nn.Linear(4, 4), device_id=0),
+        "device_id cpu, as PyTorch's FSDP1 needs": lambda: FSDP(nn.Linear(4, 4), device_id=torch.device("cpu")),
         "group not matching the world": lambda: FSDP(nn.Linear(4, 4), process_group=singles[rank]),
         "HYBRID_SHARD on a prime world": lambda: FSDP(nn.Linear(4, 4),
                                                       sharding_strategy=ShardingStrategy.HYBRID_SHARD),

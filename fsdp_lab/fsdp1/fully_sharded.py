@@ -53,7 +53,7 @@ class FullyShardedDataParallel(ShardedUnit):
             already managed by an FSDP1 unit.
         TypeError: an option of the wrong type (a string for ``sharding_strategy``, ...).
         ValueError: a process group this rank is not in or that does not span the world;
-            HYBRID_SHARD on a world that does not factor; ``device_id`` without a GPU; a bad
+            HYBRID_SHARD on a world that does not factor; a GPU ``device_id`` without a GPU; a bad
             ``grad_accumulation``; ``use_orig_params=False``; ``keep_low_precision_grads``.
     """
 
@@ -359,10 +359,13 @@ def _owned_modules(module: nn.Module, ignored: set[nn.Module], prefix: str = "")
 def _resolve_device(device_id) -> torch.device:
     if device_id is None:
         return current_device()
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    if device.type == "cpu":
+        return device  # what PyTorch's FSDP1 needs on CPU ranks: code written for it runs unchanged
     if not torch.cuda.is_available():
         raise ValueError(f"device_id={device_id!r} was given but this machine has no CUDA GPU; "
-                         f"leave device_id=None to run on CPU")
-    return torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+                         f"leave device_id=None (or pass torch.device('cpu')) to run on CPU")
+    return device
 
 
 def _materialize_meta(module: nn.Module, ignored: set[nn.Module], param_init_fn, device: torch.device) -> None:
