@@ -8,6 +8,7 @@ against PEFT itself.
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -59,10 +60,25 @@ def inner_model_and_root(model):
     return model
 
 
+def attention_and_mlp(model):
+    for layer in model.model.layers:
+        fully_shard(layer.self_attn)   # smaller groups than the task's one per decoder layer
+        fully_shard(layer.mlp)
+    fully_shard(model)
+    return model
+
+
+def the_module_list(model):
+    fully_shard(model.model.layers)   # a ModuleList is never called: its hooks never run
+    fully_shard(model)
+    return model
+
+
 @pytest.fixture(scope="module")
 def lab10_launch():
     solution = LAB10["shard_hf_model"][1]
     answers = [solution, root_only, layers_only, nothing, inner_model_as_root, inner_model_and_root,
+               attention_and_mlp, the_module_list,
                root_first]   # last: it raises inside fully_shard, after which the ranks run nothing more
     return SharedLaunch(lab10._run_shard, [(answer,) for answer in answers], world_size=lab10.WORLD)
 
@@ -78,6 +94,10 @@ def test_shard_hf_model_verdicts(lab10_launch, monkeypatch):
     assert lab10.check_shard_hf_model(layers_only).mistake == "root_not_sharded"
     assert lab10.check_shard_hf_model(nothing).mistake == "not_sharded"
     assert lab10.check_shard_hf_model(root_first).mistake == "root_first"
+    finer = lab10.check_shard_hf_model(attention_and_mlp)
+    assert finer.mistake == "layers_not_groups" and "model.model.layers.0 first" in finer.message
+    container = lab10.check_shard_hf_model(the_module_list)
+    assert container.mistake == "container" and "model.model.layers is a ModuleList" in container.message
     inner = lab10.check_shard_hf_model(inner_model_as_root)
     assert inner.mistake == "root_not_sharded" and "not sharded: lm_head.weight." in inner.message
     assert "fully_shard(model)" in inner.message
@@ -120,6 +140,16 @@ def shifted(model):
     return out
 
 
+def pre_scaled(model):
+    return {f"base_model.model.{n}.lora_{x}.weight": getattr(m, f"lora_{x.lower()}") * (m.scaling if x == "B" else 1)
+            for n, m in _adapters(model) for x in "AB"}
+
+
+def bf16_copies(model):
+    return {f"base_model.model.{n}.lora_{x}.weight": getattr(m, f"lora_{x.lower()}").to(torch.bfloat16)
+            for n, m in _adapters(model) for x in "AB"}
+
+
 def empty(model):
     return {}
 
@@ -142,6 +172,9 @@ def test_peft_state_dict_verdicts():
     assert lab10.check_peft_state_dict(lower_case).mistake == "case"
     assert lab10.check_peft_state_dict(swapped).mistake == "swapped"
     assert lab10.check_peft_state_dict(shifted).mistake == "wrong_values"
+    scaled = lab10.check_peft_state_dict(pre_scaled)
+    assert scaled.mistake == "scaled" and "lora_alpha / r" in scaled.message
+    assert lab10.check_peft_state_dict(bf16_copies).mistake == "dtype"
     assert lab10.check_peft_state_dict(empty).mistake == "empty"
     not_tensors = lab10.check_peft_state_dict(modules_not_tensors)
     assert not_tensors.mistake == "not_tensors" and "maps to a LoRALinear" in not_tensors.message

@@ -75,10 +75,15 @@ def _run_shard(answer):
     result = answer(model)
     model = result if isinstance(result, torch.nn.Module) else model
     groups = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]   # "" is the root
+    # a container is never called, so the hooks fully_shard puts on it never run
+    containers = [(name, "ModuleList" if isinstance(m, torch.nn.ModuleList) else "ModuleDict")
+                  for name, m in model.named_modules()
+                  if isinstance(m, FSDPModule) and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
     plain = [n for n, p in model.named_parameters() if type(p).__name__ != "DTensor"]
-    layers_sharded = all(isinstance(layer, FSDPModule) for layer in model.model.layers)
-    losses = train_losses(model, rank, world) if not plain else None
-    return {"groups": groups, "plain": plain, "layers_sharded": layers_sharded, "losses": losses}
+    unsharded_layers = [i for i, layer in enumerate(model.model.layers) if not isinstance(layer, FSDPModule)]
+    losses = train_losses(model, rank, world) if not plain and not containers else None
+    return {"groups": groups, "plain": plain, "containers": containers, "unsharded_layers": unsharded_layers,
+            "n_layers": len(model.model.layers), "losses": losses}
 
 
 def _explain_shard(error: BaseException, text: str):
@@ -116,10 +121,24 @@ def check_shard_hf_model(shard_hf_model):
         return mistake("root_not_sharded",
                        f"{len(plain)} parameter(s) not sharded: {listed}. The embeddings, final norm and "
                        "lm_head belong to the root; call fully_shard(model) last")
-    if not out["layers_sharded"]:
-        return mistake("one_group", f"only {len(groups)} parameter group(s): the whole model is "
-                                    "all-gathered at once, so no rank ever holds less than the full model; "
-                                    "shard each decoder layer before the root")
+    if out["containers"]:
+        name, kind = out["containers"][0]
+        name = f"model.{name}"
+        return mistake("container", f"{name} is a {kind}, a container of modules that is never called itself, so the hooks fully_shard put on it never run "
+                                    "and its parameters stay sharded when the layers use them; fully_shard each "
+                                    f"layer in {name} instead")
+    if groups == [""]:
+        return mistake("one_group", "only the root is a parameter group: the whole model is all-gathered at "
+                                    "once, so no rank ever holds less than the full model; shard each decoder "
+                                    "layer before the root")
+    if out["unsharded_layers"]:
+        missing, total = out["unsharded_layers"], out["n_layers"]
+        inner = sorted(g for g in groups if g.startswith("model.layers."))
+        yours = f"; your groups inside them: {', '.join(inner[:3])}{', ...' if len(inner) > 3 else ''}" if inner else ""
+        return mistake("layers_not_groups", f"{len(missing)} of {total} decoder layers are not their own group "
+                                            f"(model.model.layers.{missing[0]} first){yours}: the task asks for "
+                                            "one fully_shard per decoder layer, so each is gathered whole, one "
+                                            "layer at a time")
     reference = train_losses(tiny_llama())
     if not torch.allclose(torch.tensor(out["losses"]), torch.tensor(reference), atol=1e-6, rtol=0):
         return mistake("wrong_losses", f"losses {_losses_text(out['losses'])} differ from those of the same "
@@ -199,6 +218,16 @@ def check_peft_state_dict(peft_state_dict):
         if tuple(tensor.shape) != tuple(want.shape):
             return mistake("swapped", f"{key} has shape {list(tensor.shape)}, PEFT expects {list(want.shape)}: "
                                       "lora_A is our lora_a (rank x in), lora_B our lora_b (out x rank)")
+        if tensor.dtype != want.dtype:
+            return mistake("dtype", f"{key} is {tensor.dtype}, the adapter is {want.dtype}: a copy in another "
+                                    "dtype rounds it; map each key to the adapter tensor itself")
+        value, adapter = tensor.detach(), want.detach()
+        if not torch.equal(value, adapter):
+            factor = float((value * adapter).sum() / (adapter * adapter).sum())
+            if torch.allclose(value, factor * adapter, rtol=1e-5, atol=1e-8):
+                return mistake("scaled", f"{key} holds the adapter times {factor:.4g}: PEFT multiplies by "
+                                         "lora_alpha / r itself (adapter_config.json), so store the adapters "
+                                         "as they are")
     ids = token_batch(0)
     with torch.no_grad():
         ours = model(input_ids=ids).logits
