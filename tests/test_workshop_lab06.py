@@ -102,26 +102,57 @@ def torch_distributed_all_reduce(local_grad, wire_dtype):
     return whole.float().chunk(dist.get_world_size())[dist.get_rank()] / dist.get_world_size()
 
 
+def two_ranks_hard_coded(local_grad, wire_dtype):
+    """Right on the check's 2 ranks, but the world size is written in as 2."""
+    shard = torch.empty(local_grad.numel() // 2, dtype=wire_dtype)
+    collectives.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))
+    return shard.float() / 2
+
+
+def divided_by_two(local_grad, wire_dtype):
+    """The shard size follows the world size, the division is written in as 2."""
+    import torch.distributed as dist
+    shard = torch.empty(local_grad.numel() // dist.get_world_size(), dtype=wire_dtype)
+    collectives.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))
+    return shard.float() / 2
+
+
 REDUCE_WRONG = {"added_to_local_shard": megatron_optim_bug, "not_averaged": summed, "wire_not_bf16": fp32_wire,
                 "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce,
                 "not_reduce_scatter": via_all_gather, "no_collective": local_only}
 # the same mistakes made through torch.distributed's own functions, which the check records too
 DIRECT_WRONG = {"wire_not_bf16": torch_distributed_fp32_wire, "used_all_reduce": torch_distributed_all_reduce}
+# right on 2 ranks, wrong on lab06.OTHER_WORLD: the world size is written in
+FIXED_WORLD = [two_ranks_hard_coded, divided_by_two]
+OTHER_WORLD = lab06.OTHER_WORLD
 
 
 @pytest.fixture(scope="module")
 def reduce_launch():
     solution = LAB06["reduce_grad_shard"][1]
-    answers = [solution, torch_distributed, *REDUCE_WRONG.values(), *DIRECT_WRONG.values()]
+    answers = [solution, torch_distributed, *REDUCE_WRONG.values(), *DIRECT_WRONG.values(), *FIXED_WORLD]
     return SharedLaunch(lab06._run_reduce, [(f,) for f in answers],
                         world_size=lab06.WORLD)
 
 
-def test_reduce_grad_shard_verdicts(reduce_launch, monkeypatch):
+@pytest.fixture(scope="module")
+def reduce_launch_other_world():
+    """The check's second run, on lab06.OTHER_WORLD ranks: only answers right on 2 ranks get there."""
+    solution = LAB06["reduce_grad_shard"][1]
+    answers = [solution, torch_distributed, *FIXED_WORLD]
+    return SharedLaunch(lab06._run_reduce, [(f,) for f in answers], world_size=OTHER_WORLD)
+
+
+def test_reduce_grad_shard_verdicts(reduce_launch, reduce_launch_other_world, monkeypatch):
     stub, solution = LAB06["reduce_grad_shard"]
     monkeypatch.setattr(lab06, "launch", refuse_launch)
     assert lab06.check_reduce_grad_shard(stub).mistake == "stub"
-    monkeypatch.setattr(lab06, "launch", reduce_launch.launch)
+    launches = {lab06.WORLD: reduce_launch, OTHER_WORLD: reduce_launch_other_world}
+
+    def by_world(fn, *case, world_size, **kwargs):
+        return launches[world_size].launch(fn, *case, world_size=world_size, **kwargs)
+
+    monkeypatch.setattr(lab06, "launch", by_world)
     right = lab06.check_reduce_grad_shard(solution)
     # 8 elements: 32 bytes in float32, 16 in bf16 per reduce-scatter
     assert right.solved and "moved 16 bytes per reduce-scatter instead of 32" in right.message
@@ -131,6 +162,13 @@ def test_reduce_grad_shard_verdicts(reduce_launch, monkeypatch):
     assert direct.solved and "moved 16 bytes per reduce-scatter instead of 32" in direct.message
     for name, answer in [*REDUCE_WRONG.items(), *DIRECT_WRONG.items()]:
         assert lab06.check_reduce_grad_shard(answer).mistake == name, name
+    # right on 2 ranks: only the run on more ranks shows that 2 was written in
+    hard_coded = lab06.check_reduce_grad_shard(two_ranks_hard_coded)
+    assert hard_coded.mistake == "fixed_world" and "on 4 ranks" in hard_coded.message
+    assert "input has 8 elements" in hard_coded.message and "get_world_size" in hard_coded.hint
+    assert "rank 0" not in hard_coded.message  # which rank fails first is not deterministic
+    halved = lab06.check_reduce_grad_shard(divided_by_two)
+    assert halved.mistake == "fixed_world" and "2x the mean" in halved.message
 
 
 # ----------------------------------------------------------------------------- loss scaling
@@ -165,8 +203,16 @@ def last_shard_only(grads, scale):
     return bool(found.item())
 
 
+def multiplied(grads, scale):
+    found = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))])
+    collectives.all_reduce(found, op="max")
+    for g in grads:
+        g.mul_(scale)                                  # instead of 1.0 / scale
+    return bool(found.item())
+
+
 SCALE_WRONG = {"local_only": local_only, "missed_nan": isinf_only, "not_unscaled": not_unscaled,
-               "one_shard_only": last_shard_only}
+               "one_shard_only": last_shard_only, "multiplied_by_scale": multiplied}
 
 
 @pytest.fixture(scope="module")

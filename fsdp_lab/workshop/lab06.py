@@ -18,14 +18,19 @@ notebook keeps the policies, the sharded models they train and the other runs.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from fsdp_lab.launch import launch
+from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
                                         collective_calls)
 
 WORLD = 2
 NUMEL = 8  # a whole gradient; each rank's shard is NUMEL // WORLD elements
+# a second run, for answers right on WORLD ranks: NUMEL // OTHER_WORLD elements per shard, so an
+# answer that writes in 2 for the world size (the shard's size or the division) fails there
+OTHER_WORLD = 4
 WIRES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -54,12 +59,46 @@ def _close(a, b, atol=1e-6) -> bool:
             and torch.allclose(a, b, rtol=0, atol=atol))
 
 
+def _other_world(reduce_grad_shard):
+    """None if ``reduce_grad_shard``, right on WORLD ranks, is right on OTHER_WORLD ranks too (both
+    wires; the bf16 one within bf16's rounding), else the mistake "fixed_world"."""
+    where = f"on {OTHER_WORLD} ranks ({NUMEL} elements, {NUMEL // OTHER_WORLD} per shard)"
+    hint = ("take the world size from torch.distributed.get_world_size(): the shard has "
+            "local_grad.numel() // world elements and the sum is divided by world")
+    try:
+        out = launch(_run_reduce, reduce_grad_shard, world_size=OTHER_WORLD, timeout=CHECK_TIMEOUT)
+    except LaunchTimeout:
+        raise  # the checker's own verdict for a hang
+    except LaunchError as error:
+        first = str(error).strip().splitlines()
+        # without "rank N raised": which rank fails first changes from run to run
+        summary = re.sub(r"^rank \d+ raised ", "", first[0]) if first else "a rank failed"
+        return mistake("fixed_world", f"on {WORLD} ranks your shards are right, but {where} your code raised "
+                                      f"{summary}: it assumes {WORLD} ranks somewhere", hint=hint)
+    mean = torch.stack([rank_gradient(r) for r in range(OTHER_WORLD)]).mean(0).chunk(OTHER_WORLD)
+    ratio = OTHER_WORLD / WORLD
+    for wire, atol in (("float32", 1e-6), ("bfloat16", 3e-2)):
+        results = [o[wire]["result"] for o in out]
+        if all(_close(res, mean[r], atol) for r, res in enumerate(results)):
+            continue
+        if all(_close(res, mean[r] * ratio, atol * ratio) for r, res in enumerate(results)):
+            return mistake("fixed_world", f"on {WORLD} ranks your shards are right, but {where} each is "
+                                          f"{ratio:g}x the mean: the sum was divided by {WORLD}, not by the "
+                                          "world size", hint=hint)
+        shown = results[0].tolist() if isinstance(results[0], torch.Tensor) else type(results[0]).__name__
+        return mistake("fixed_world", f"on {WORLD} ranks your shards are right, but {where} rank 0 returned "
+                                      f"{shown} with a {wire} wire instead of the mean gradient's shard "
+                                      f"{mean[0].tolist()}: the code assumes {WORLD} ranks somewhere", hint=hint)
+    return None
+
+
 @checker("reduce_grad_shard", hint="cast local_grad to wire_dtype, reduce-scatter it (sum over ranks) into "
                                    "a wire_dtype tensor of local_grad.numel() // world elements, then return "
                                    "that shard in float32 divided by the world size")
 def check_reduce_grad_shard(reduce_grad_shard):
     """Run ``reduce_grad_shard(local_grad, wire_dtype)`` on 2 ranks with a float32 and a bf16 wire
-    and compare each rank's result with the mean gradient computed on one process."""
+    and compare each rank's result with the mean gradient computed on one process; an answer right
+    there runs once more on OTHER_WORLD ranks, where one that writes in 2 ranks fails."""
     out = launch(_run_reduce, reduce_grad_shard, world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o[w]["result"]) for o in out for w in WIRES):
         return placeholder_left("reduce_grad_shard")
@@ -107,6 +146,9 @@ def check_reduce_grad_shard(reduce_grad_shard):
     summed_in_bf16 = torch.stack([g.to(torch.bfloat16) for g in grads]).sum(0).float() / WORLD
     error = (summed_in_bf16 - total / WORLD).abs().max().item()
     if not names:  # right values through calls neither recorder sees (a group's own methods, say)
+        fixed = _other_world(reduce_grad_shard)
+        if fixed is not None:
+            return fixed
         return correct(f"on {WORLD} ranks each shard is the mean gradient (off the float32 mean by up to "
                        f"{error:.1e} with a bf16 wire). The check saw none of your collectives, so the bytes "
                        "on the wire were not counted: with collectives.reduce_scatter_tensor or "
@@ -132,6 +174,9 @@ def check_reduce_grad_shard(reduce_grad_shard):
                                           f"the whole gradient ({sent['float32']} bytes per call) to keep a "
                                           "1/N shard of it", hint="reduce_scatter_tensor gives each rank only "
                                                                   "its shard")
+    fixed = _other_world(reduce_grad_shard)
+    if fixed is not None:
+        return fixed
     return correct(f"on {WORLD} ranks each shard is the mean gradient; the bf16 wire moved {sent['bfloat16']} "
                    f"bytes per reduce-scatter instead of {sent['float32']}, and because each rank's gradient was "
                    f"rounded to bf16 and the ranks' contributions summed in bf16, the shard is off the float32 "
@@ -231,7 +276,8 @@ def check_unscale_and_check(unscale_and_check):
     if all(_same_shards(c, s) for c, s in zip(clean, scaled)):
         return mistake("not_unscaled", "the shards still hold the scaled gradients: the optimizer would "
                                        f"step {SCALE:.0f}x too far", hint="multiply each shard by 1 / scale in place")
-    if all(_same_shards(c, [t * SCALE * SCALE for t in s]) for c, s in zip(clean, scaled)):
+    # the shards handed in are scaled already: multiplying them by the scale leaves SCALE x those
+    if all(_same_shards(c, [t * SCALE for t in s]) for c, s in zip(clean, scaled)):
         return mistake("multiplied_by_scale", "the shards were multiplied by the scale instead of divided")
     for case, (_, unscaled) in references.items():
         if not all(_same_shards(o[case]["shards"], unscaled[r]) for r, o in enumerate(out)):
