@@ -79,6 +79,14 @@ def padded_chunk(params, world, rank):
     return torch.cat([piece, piece.new_zeros(size - piece.numel())])
 
 
+def two_dims_only(params, world, rank):
+    """Flattens each parameter as if it were 2-D: a 1-D one raises IndexError (no shape[1])."""
+    flat = torch.cat([p.reshape(p.shape[0] * p.shape[1]) for p in params])
+    shard = math.ceil(flat.numel() / world)
+    flat = torch.cat([flat, flat.new_zeros(shard * world - flat.numel())])
+    return flat[rank * shard:(rank + 1) * shard]
+
+
 def test_rank_shard_verdicts(real_block):
     shards, params = real_block
     stub, solution = LAB04["rank_shard"]
@@ -92,6 +100,8 @@ def test_rank_shard_verdicts(real_block):
     assert lab04.check_rank_shard(next_rank).mistake == "wrong_rank"
     assert lab04.check_rank_shard(padding_first).mistake == "padding_first"
     assert lab04.check_rank_shard(padded_chunk).mistake == "short_chunks"
+    verdict = lab04.check_rank_shard(two_dims_only)
+    assert verdict.mistake == "raised" and "IndexError" in verdict.message and "1-D" in verdict.message
 
 
 def test_reference_shard_matches_a_hand_worked_case():
@@ -141,19 +151,39 @@ def averaged_by_the_collective(flat_grad):
     return shard
 
 
+def two_ranks_hard_coded(flat_grad):
+    """Right on 2 ranks only: the world size is written in."""
+    shard = torch.empty(flat_grad.numel() // 2)
+    collectives.reduce_scatter_tensor(shard, flat_grad)
+    return shard / 2
+
+
 @pytest.fixture(scope="module")
 def lab04_launch():
     solution = LAB04["reduce_flat_grad"][1]
     cases = [(solution,), (not_averaged,), (all_reduced,), (own_piece,), (all_reduced_then_sliced,),
-             (averaged_by_the_collective,)]
+             (averaged_by_the_collective,), (two_ranks_hard_coded,)]
     return SharedLaunch(lab04._reduce_case, cases, world_size=lab04.REDUCE_WORLD)
 
 
-def test_reduce_flat_grad_verdicts(lab04_launch, monkeypatch):
+@pytest.fixture(scope="module")
+def lab04_other_world():
+    """The answers right on 2 ranks, run again on another world size (the checker's second launch)."""
+    solution = LAB04["reduce_flat_grad"][1]
+    cases = [(solution,), (averaged_by_the_collective,), (two_ranks_hard_coded,)]
+    return SharedLaunch(lab04._reduce_other_world, cases, world_size=lab04.OTHER_WORLD)
+
+
+def test_reduce_flat_grad_verdicts(lab04_launch, lab04_other_world, monkeypatch):
     stub, solution = LAB04["reduce_flat_grad"]
     monkeypatch.setattr(lab04, "launch", refuse_launch)
     assert lab04.check_reduce_flat_grad(stub).mistake == "stub"
-    monkeypatch.setattr(lab04, "launch", lab04_launch.launch)
+
+    def launch(fn, *args, **kwargs):
+        shared = lab04_launch if fn is lab04._reduce_case else lab04_other_world
+        return shared.launch(fn, *args, **kwargs)
+
+    monkeypatch.setattr(lab04, "launch", launch)
     right = lab04.check_reduce_flat_grad(solution)
     assert right.solved and "divided" not in right.message and "world size 2" in right.message
     assert lab04.check_reduce_flat_grad(not_averaged).mistake == "not_averaged"
@@ -161,6 +191,7 @@ def test_reduce_flat_grad_verdicts(lab04_launch, monkeypatch):
     assert lab04.check_reduce_flat_grad(own_piece).mistake == "not_reduced"
     assert lab04.check_reduce_flat_grad(all_reduced_then_sliced).mistake == "not_reduce_scatter"
     assert lab04.check_reduce_flat_grad(averaged_by_the_collective).solved
+    assert lab04.check_reduce_flat_grad(two_ranks_hard_coded).mistake == "fixed_world"
 
 
 # ----------------------------------------------------------------------------- widget

@@ -60,6 +60,16 @@ def padded_chunk(param, world, rank):
     return torch.cat([piece, piece.new_zeros((rows - piece.shape[0], *param.shape[1:]))])
 
 
+def two_dims_only(param, world, rank):
+    """Right for 2-D parameters; a 1-D one has no shape[1] (IndexError)."""
+    rows = math.ceil(param.shape[0] / world)
+    chunks = torch.chunk(param, world, dim=0)
+    padded = param.new_zeros(rows, param.shape[1])
+    if rank < len(chunks):
+        padded[:chunks[rank].shape[0]] = chunks[rank]
+    return padded
+
+
 def test_shard_param_verdicts():
     stub, solution = LAB05["shard_param"]
     assert lab05.check_shard_param(stub).mistake == "stub"
@@ -80,6 +90,8 @@ def test_shard_param_verdicts():
     assert lab05.check_shard_param(floor_rows).mistake == "floor_rows"
     assert lab05.check_shard_param(padding_on_top).mistake == "padding_first"
     assert lab05.check_shard_param(padded_chunk).mistake == "short_chunks"
+    verdict = lab05.check_shard_param(two_dims_only)
+    assert verdict.mistake == "raised" and "IndexError" in verdict.message and "1-D" in verdict.message
     assert lab05.check_shard_param(lambda param, world, rank: param).mistake == "whole_param"
     assert lab05.check_shard_param(lambda param, world, rank: param[:, :2]).mistake == "wrong_dim"
 
@@ -146,11 +158,40 @@ def one_gather_for_both(module, args):
         setattr(module, name, column.reshape(world * shard.shape[0], *shard.shape[1:])[:module.rows[name]])
 
 
+def output_one_shard_long(module, args):
+    """Forgets the world size in the output: the all-gather raises before module.weight is set."""
+    for name, shard in module.shards.items():
+        gathered = torch.empty(shard.shape[0], *shard.shape[1:])
+        collectives.all_gather_into_tensor(gathered, shard)
+        setattr(module, name, gathered[:module.rows[name]])
+
+
+def half_the_rows(module, args):
+    """Keeps 4 of the 8 gathered rows (the weight has 7): the layer computes 4 outputs."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world * shard.shape[0], *shard.shape[1:])
+        collectives.all_gather_into_tensor(gathered, shard)
+        setattr(module, name, gathered[:gathered.shape[0] // 2])
+
+
+def last_rows(module, args):
+    """Keeps the last 7 rows: drops the first real row and keeps the padding row."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world * shard.shape[0], *shard.shape[1:])
+        collectives.all_gather_into_tensor(gathered, shard)
+        setattr(module, name, gathered[-module.rows[name]:])
+
+
 @pytest.fixture(scope="module")
 def lab05_launch():
     solution = LAB05["pre_forward"][1]
     cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,), (all_reduced_pieces,),
-             (gathered_around_collectives,), (one_gather_for_both,)]
+             (gathered_around_collectives,), (one_gather_for_both,), (output_one_shard_long,),
+             (half_the_rows,), (last_rows,)]
     return SharedLaunch(lab05._hook_case, cases, world_size=lab05.HOOK_WORLD)
 
 
@@ -167,6 +208,10 @@ def test_pre_forward_verdicts(lab05_launch, monkeypatch):
     assert lab05.check_pre_forward(all_reduced_pieces).mistake == "not_all_gather"
     assert lab05.check_pre_forward(gathered_around_collectives).mistake == "no_collective"
     assert lab05.check_pre_forward(one_gather_for_both).solved
+    raised = lab05.check_pre_forward(output_one_shard_long)
+    assert raised.mistake == "hook_raised" and "before setting module.weight" in raised.message
+    assert lab05.check_pre_forward(half_the_rows).mistake == "wrong_rows"
+    assert lab05.check_pre_forward(last_rows).mistake == "dropped_first_rows"
 
 
 def test_reference_shard_is_chunk_plus_zero_rows():

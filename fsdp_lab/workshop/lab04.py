@@ -11,7 +11,9 @@
   ``reduce_flat_grad(flat_grad)`` gets this rank's whole padded flat gradient and returns
   this rank's shard of the average over ranks. Reference: fsdp_lab's FSDP1 (one unit, 2
   ranks), whose sharded gradient after the same backward the answer must equal; the
-  collectives the answer issues (recorded with a ``Timeline``) must be reduce-scatters.
+  collectives the answer issues (recorded with a ``Timeline``) must be reduce-scatters. An
+  answer right on 2 ranks runs once more on 3 (a small made-up flat gradient per rank), so a
+  world size written into the answer is caught.
 * ``world_sizes(strategy)`` and ``explorer_controls()``: the lab's widget offers only the world
   sizes a strategy runs on (HYBRID_SHARD needs a world fsdp_lab can split in groups).
 
@@ -27,6 +29,8 @@ from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_plac
                                         wrong_collectives)
 
 REDUCE_WORLD = 2
+OTHER_WORLD = 3    # the second world size ``check_reduce_flat_grad`` runs a right answer on
+OTHER_NUMEL = 24   # elements of the made-up flat gradient there (a multiple of OTHER_WORLD)
 
 
 def reference_shard(params: list[torch.Tensor], world: int, rank: int) -> torch.Tensor:
@@ -61,6 +65,11 @@ def _diagnose_shard(answer, params, world) -> object | None:
         try:
             got = answer([p.clone() for p in params], world, rank)
         except IndexError as error:
+            shapes = [tuple(p.shape) for p in params]
+            if rank < len(torch.chunk(flat, world)):
+                return mistake("raised", f"rank {rank} raised IndexError ({error}) for parameters of shapes "
+                                         f"{shapes} on {world} ranks; parameters can be 1-D or 3-D as well as 2-D",
+                               "p.reshape(-1) flattens a parameter of any shape")
             return mistake("short_chunks", f"rank {rank} raised IndexError ({error}) for {total} elements on {world} "
                                            "ranks: torch.chunk makes pieces of ceil(n / world) elements, so a short "
                                            f"tensor gives fewer than {world} of them and the last ranks none",
@@ -169,6 +178,47 @@ def _reduce_case(reduce_flat_grad):
             "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel}
 
 
+def _other_flat_grad(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s made-up flat gradient for the run on ``OTHER_WORLD`` ranks."""
+    return torch.linspace(-1.0, 1.0, OTHER_NUMEL) * (rank + 1) + rank
+
+
+def _reduce_other_world(reduce_flat_grad):
+    """On each rank: ``reduce_flat_grad`` of this rank's made-up flat gradient; the result (a
+    copy) and the first line of what it raised ("" if nothing)."""
+    import torch.distributed as dist
+
+    try:
+        result = reduce_flat_grad(_other_flat_grad(dist.get_rank()))
+    except Exception as error:  # noqa: BLE001 - reported as the answer's verdict
+        lines = str(error).strip().splitlines()
+        return {"result": None, "error": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__}
+    return {"result": result.detach().clone() if isinstance(result, torch.Tensor) else result, "error": ""}
+
+
+def _other_world_mistake(reduce_flat_grad):
+    """None when ``reduce_flat_grad`` is right on ``OTHER_WORLD`` ranks too, else a mistake()."""
+    out = launch(_reduce_other_world, reduce_flat_grad, world_size=OTHER_WORLD, timeout=CHECK_TIMEOUT)
+    mean = sum(_other_flat_grad(r) for r in range(OTHER_WORLD)) / OTHER_WORLD
+    size = OTHER_NUMEL // OTHER_WORLD
+    for rank, o in enumerate(out):
+        want = mean[rank * size:(rank + 1) * size]
+        if o["error"]:
+            what = f"rank {rank} raised {o['error']}"
+        elif not isinstance(o["result"], torch.Tensor) or o["result"].shape != want.shape:
+            shape = tuple(o["result"].shape) if isinstance(o["result"], torch.Tensor) else type(o["result"]).__name__
+            what = f"rank {rank} returned {shape} for a {OTHER_NUMEL}-element flat gradient (a shard: ({size},))"
+        elif not _close(o["result"], want):
+            what = f"rank {rank}'s shard is not the average over the {OTHER_WORLD} ranks"
+        else:
+            continue
+        return mistake("fixed_world", f"on {REDUCE_WORLD} ranks the shard is right, but on {OTHER_WORLD} ranks "
+                                      f"{what}; the answer must hold for any world size",
+                       "read the world size with dist.get_world_size(): a shard of flat_grad.numel() // world "
+                       "elements, divided by world")
+    return None
+
+
 def _close(a, b) -> bool:
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-7)
 
@@ -178,7 +228,8 @@ def _close(a, b) -> bool:
 def check_reduce_flat_grad(reduce_flat_grad):
     """Run ``reduce_flat_grad`` on 2 ranks after one backward, compare with the sharded
     gradient fsdp_lab's FSDP1 computes from the same model and data, and require that the
-    answer's collectives were reduce-scatters."""
+    answer's collectives were reduce-scatters; an answer right there runs once more on
+    ``OTHER_WORLD`` ranks, where it must return each rank's shard of the average too."""
     out = launch(_reduce_case, reduce_flat_grad, world_size=REDUCE_WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("reduce_flat_grad")
@@ -191,6 +242,9 @@ def check_reduce_flat_grad(reduce_flat_grad):
                                   "collectives.reduce_scatter_tensor(shard, flat_grad)")
         if wrong is not None:
             return wrong
+        other = _other_world_mistake(reduce_flat_grad)
+        if other is not None:
+            return other
         shard = out[0]["shard_numel"]
         return correct(f"each rank holds the same {shard:,} averaged gradient values as FSDP1's sharded "
                        f".grad: one reduce-scatter of the {out[0]['padded_numel']:,}-element flat gradient "

@@ -55,6 +55,10 @@ def _diagnose_shard(shard_param, param: torch.Tensor, world: int):
             got = shard_param(param.clone(), world, rank)
         except IndexError as error:
             pieces = len(torch.chunk(param, world, dim=0))
+            if rank < pieces:
+                return mistake("raised", f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}: "
+                                         f"IndexError ({error}); parameters can be 1-D or 3-D as well as 2-D",
+                               "param.new_zeros((rows, *param.shape[1:])) makes zero rows of any shape")
             return mistake("short_chunks", f"a {tuple(param.shape)} parameter on {world} ranks, rank {rank}: "
                                            f"IndexError ({error}). torch.chunk gave only {pieces} pieces: it "
                                            f"cuts ceil(rows / world) = {rows} rows each, so rank {rank} has "
@@ -149,17 +153,28 @@ def _hook_case(pre_forward):
         layer.shards[name] = reference_shard(param, world, rank)
         layer.rows[name] = param.shape[0]
         setattr(layer, name, None)
-    layer.register_forward_pre_hook(pre_forward)
+    hook_error = []
+
+    def hook(module, args):
+        try:
+            return pre_forward(module, args)
+        except Exception as exc:  # noqa: BLE001 - recorded, then raised on as the learner's hook would
+            lines = str(exc).strip().splitlines()
+            hook_error.append(f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
+            raise
+
+    layer.register_forward_pre_hook(hook)
     try:
         with Timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
             out = layer(x).detach()
         error = ""
-    except (RuntimeError, TypeError, ValueError) as exc:   # e.g. shapes that do not multiply: reported below
-        out, error = None, str(exc).splitlines()[0]
+    except Exception as exc:  # noqa: BLE001 - the hook's error, or shapes that do not multiply: reported below
+        out, error = None, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     issued = [e.name for e in timeline.comm_events()]
     seen = {name: (None if getattr(layer, name) is None else getattr(layer, name).detach().clone())
             for name in ("weight", "bias")}
-    return {"out": out, "error": error, "reference": reference, "seen": seen, "collectives": issued,
+    return {"out": out, "error": error, "hook_error": hook_error[0] if hook_error else "",
+            "reference": reference, "seen": seen, "collectives": issued,
             "full": {n: p.detach().clone() for n, p in full.named_parameters()}}
 
 
@@ -176,6 +191,12 @@ def check_pre_forward(pre_forward):
     rows = HOOK_SHAPE[0]
     padded = math.ceil(rows / HOOK_WORLD) * HOOK_WORLD
     seen = first["seen"]["weight"]
+    raised = next((o["hook_error"] for o in out if o["hook_error"]), "")
+    if "ellipsis" in raised.lower():
+        return placeholder_left("pre_forward")
+    if raised:
+        where = "before setting module.weight" if seen is None else "after setting module.weight"
+        return mistake("hook_raised", f"{where}, the hook raised {raised}")
     if seen is None:
         return mistake("not_set", "the hook did not set module.weight; setattr(module, name, full) for "
                                   "each gathered parameter")
@@ -185,10 +206,22 @@ def check_pre_forward(pre_forward):
     if seen.shape[0] == math.ceil(rows / HOOK_WORLD):
         return mistake("not_gathered", "the weight the layer used is this rank's shard; all-gather the "
                                        "shards of every rank first")
+    for name in ("weight", "bias"):
+        got, whole = first["seen"][name], first["full"][name]
+        if got is not None and got.shape != whole.shape:
+            if got.shape[1:] == whole.shape[1:]:
+                return mistake("wrong_rows", f"the gathered {name} has {got.shape[0]} rows, the parameter "
+                                             f"{whole.shape[0]}: the {HOOK_WORLD} shards end to end have "
+                                             f"{padded}, the last {padded - rows} padding; keep "
+                                             "gathered[:module.rows[name]]")
+            return mistake("wrong_shape", f"the gathered {name} has shape {tuple(got.shape)}, the parameter "
+                                          f"{tuple(whole.shape)}")
     if first["error"]:
         return mistake("raised", f"the forward failed: {first['error']}")
-    if all(torch.allclose(o["out"], o["reference"], atol=1e-6) for o in out) and \
-            all(torch.equal(o["seen"][n], o["full"][n]) for o in out for n in ("weight", "bias")):
+    if all(o["out"] is not None and o["out"].shape == o["reference"].shape
+           and torch.allclose(o["out"], o["reference"], atol=1e-6) for o in out) and \
+            all(o["seen"][n] is not None and torch.equal(o["seen"][n], o["full"][n])
+                for o in out for n in ("weight", "bias")):
         wrong = wrong_collectives(first["collectives"], "all_gather", "the weights came back whole",
                                   "an all-gather sends each rank's shard to the others, (N-1)/N of the parameter "
                                   "per rank; an all-reduce of zero-padded whole tensors sends 2(N-1)/N of it",
@@ -200,6 +233,13 @@ def check_pre_forward(pre_forward):
                        f"{math.ceil(rows / HOOK_WORLD)}, {padded - rows} padding row dropped) — FSDP2's "
                        "pre-forward all-gather, one collective per parameter here where fully_shard "
                        "batches a group into one")
+    whole = first["full"]["weight"]
+    padded_whole = torch.cat([whole, whole.new_zeros((padded - rows, *whole.shape[1:]))])
+    if seen.shape[0] == rows and padded != rows and torch.equal(seen, padded_whole[-rows:]):
+        return mistake("dropped_first_rows", f"the hook kept the last {rows} of the {padded} gathered rows: "
+                                             f"the padding is the last {padded - rows} of them, so that "
+                                             "dropped real rows from the top and kept the padding; keep "
+                                             f"the first {rows}, gathered[:module.rows[name]]")
     if seen.shape[0] == rows and not torch.equal(seen, first["full"]["weight"]):
         return mistake("wrong_order", "the gathered weight has the right shape but the wrong rows; "
                                       "all_gather_into_tensor puts rank r's shard at rows "
