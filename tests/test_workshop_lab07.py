@@ -109,6 +109,33 @@ def compute_union_only(comm, compute):
     return no_union(comm, _union(compute))
 
 
+def merge_in_given_order(intervals):
+    out = []
+    for a, b in intervals:                             # not sorted by start first
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def unsorted_merge(comm, compute):
+    return no_union(merge_in_given_order(comm), merge_in_given_order(compute))
+
+
+def exposed_fraction(comm, compute):
+    """Merges both sides, then returns the part of the comm time NOT hidden."""
+    return 1.0 - LAB07["overlap_fraction"][1](comm, compute) if comm else 0.0
+
+
+def per_compute_time(comm, compute):
+    """Merges both sides, then divides the hidden time by the compute time."""
+    comm, compute = _union(comm), _union(compute)
+    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute)
+    total = sum(b - a for a, b in compute)
+    return hidden / total if comm and total > 0 else 0.0
+
+
 def divides_by_zero(comm, compute):
     return LAB07["overlap_fraction"][1](comm, compute) if comm else 0.0 / sum(b - a for a, b in comm)
 
@@ -121,6 +148,17 @@ def test_overlap_fraction_verdicts(table):
     assert lab07.check_overlap_fraction(no_union, table).mistake == "nested_counted_twice"
     assert lab07.check_overlap_fraction(compute_union_only, table).mistake == "concurrent_comm_counted_twice"
     assert lab07.check_overlap_fraction(divides_by_zero, table).mistake == "no_comm"
+    # every interval the timelines give is in start order: only the hand-made case out of order shows it
+    unsorted = lab07.check_overlap_fraction(unsorted_merge, table)
+    assert unsorted.mistake == "unsorted_intervals" and "sort" in unsorted.hint
+    # answers that merged both sides get the exercise's hint, not "merge the comm intervals"
+    general = lab07.check_overlap_fraction(stub, table).hint
+    for answer in (exposed_fraction, per_compute_time):
+        verdict = lab07.check_overlap_fraction(answer, table)
+        assert verdict.mistake == "wrong_fraction", answer.__name__
+        assert verdict.hint == general, answer.__name__
+    twice = lab07.check_overlap_fraction(compute_union_only, table)
+    assert "merge the comm intervals into a union first" in twice.hint
 
 
 def test_repeats_agree_only_when_counts_bytes_and_loss_repeat():

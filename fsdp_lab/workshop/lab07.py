@@ -243,22 +243,40 @@ def check_collectives_per_step(collectives_per_step, table):
                                   "lengths of their intersections; divide by the comm union's length (0.0 if none)")
 def check_overlap_fraction(overlap_fraction, table):
     """Compare ``overlap_fraction(comm, compute)`` with ``Timeline.overlap()`` on every rank of every
-    timeline in ``table``, and on two hand-made cases (nested compute; no comm)."""
-    nested = overlap_fraction([(0.0, 4.0)], [(2.0, 6.0), (3.0, 5.0)])
+    timeline in ``table``, and on four hand-made cases (nested compute; concurrent collectives;
+    intervals out of start order; no comm)."""
+    # 0.75, not 0.5: the exposed fraction (0.25) and hidden / compute time (0.6) differ from it
+    nested = overlap_fraction([(0.0, 4.0)], [(1.0, 6.0), (3.0, 5.0)])
     if is_placeholder(nested):
         return placeholder_left("overlap_fraction")
     concurrent = overlap_fraction([(0.0, 4.0), (1.0, 3.0)], [(2.5, 4.0)])
-    if abs(nested - 0.5) > 1e-12:
-        if abs(nested - 0.75) < 1e-12:
-            return mistake("nested_counted_twice", "comm (0, 4) under compute (2, 6) and (3, 5) gave 0.75: the "
-                                                   "nested span (3, 5) was counted on top of (2, 6)",
+    if abs(nested - 0.75) > 1e-12:
+        if abs(nested - 1.0) < 1e-12:
+            return mistake("nested_counted_twice", "comm (0, 4) under compute (1, 6) and (3, 5) gave 1.0: the "
+                                                   "nested span (3, 5) was counted on top of (1, 6)",
                            hint="merge the compute intervals into a union first")
-        return mistake("wrong_fraction", f"comm (0, 4) under compute (2, 6) and (3, 5) is half hidden; you gave {nested}")
+        return mistake("wrong_fraction", f"comm (0, 4) under compute (1, 6) and (3, 5) is 3 of 4 s hidden, 0.75; "
+                                         f"you gave {nested:.3f}")
     if abs(concurrent - 0.375) > 1e-12:
-        counted_twice = abs(concurrent - 2 / 6) < 1e-12
-        return mistake("concurrent_comm_counted_twice" if counted_twice else "wrong_fraction",
-                       f"collectives (0, 4) and (1, 3) at once under compute (2.5, 4) are 1.5 of 4 s hidden, "
-                       f"0.375; you gave {concurrent:.3f}", hint="merge the comm intervals into a union first")
+        message = (f"collectives (0, 4) and (1, 3) at once under compute (2.5, 4) are 1.5 of 4 s hidden, "
+                   f"0.375; you gave {concurrent:.3f}")
+        if abs(concurrent - 2 / 6) < 1e-12:  # 2 s hidden of 6 s: (1, 3) counted on top of (0, 4)
+            return mistake("concurrent_comm_counted_twice", message + ": (1, 3) was counted on top of (0, 4)",
+                           hint="merge the comm intervals into a union first")
+        return mistake("wrong_fraction", message)
+    # each side in end order, not start order (every timeline gives its spans sorted by start)
+    unsorted = overlap_fraction([(1.0, 2.0), (0.0, 4.0)], [(2.5, 5.0), (1.0, 6.0)])
+    if abs(unsorted - 0.75) > 1e-12:
+        message = ("comm (1, 2), (0, 4) under compute (2.5, 5), (1, 6), each side listed out of start order, "
+                   f"is 3 of 4 s hidden, 0.75; you gave {unsorted:.3f}")
+        # merging each list in the order given: comm (1, 4) and/or compute (2.5, 6)
+        if any(abs(unsorted - v) < 1e-12 for v in (0.5, 1.0, 0.375)):
+            return mistake("unsorted_intervals", message + ", what merging each list in the order given makes "
+                                                           "of it: (1, 2) then (0, 4) become (1, 4), (2.5, 5) then "
+                                                           "(1, 6) become (2.5, 6), losing (0, 1) and (1, 2.5); a "
+                                                           "one-pass merge needs the intervals sorted by start",
+                           hint="sort each list by start before merging: for a, b in sorted(intervals)")
+        return mistake("wrong_fraction", message)
     try:
         without_comm = overlap_fraction([], [(0.0, 1.0)])
     except ZeroDivisionError:
@@ -277,4 +295,4 @@ def check_overlap_fraction(overlap_fraction, table):
                                                         f"Timeline.overlap() says {expected:.4f}")
             checked += 1
     return correct(f"your metric equals Timeline.overlap() on all {checked} (run, rank) pairs and on the "
-                   "hand-made cases (nested compute, concurrent collectives, no comm)")
+                   "hand-made cases (nested compute, concurrent collectives, intervals out of order, no comm)")

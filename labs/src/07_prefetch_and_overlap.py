@@ -448,7 +448,7 @@ CELLS = [
     ## 12. Exercise: the overlap metric
 
     Write `overlap_fraction(comm, compute)`: given the (start, end) intervals of one rank's collectives and of
-    its compute, return the fraction of comm time during which some compute was also running. Careful: compute
+    its compute, in any order, return the fraction of comm time during which some compute was also running. Careful: compute
     spans nest (a block inside the model) and collectives can run concurrently — count each instant once
     (merge each side into a union of intervals first). Return 0.0 without comm. The check compares with
     `Timeline.overlap()` on every timeline of the table.
