@@ -8,6 +8,8 @@ allocation-site OOM against a hand count of a forward's allocations.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -38,6 +40,18 @@ def forgot_one_minus(oom, not_done):
     return int(t[0]), int(t[1])
 
 
+def any_rank_done(oom, not_done):
+    t = torch.tensor([oom, 1 - not_done], dtype=torch.int32)
+    collectives.all_reduce(t, op="max")  # MAX of done: 1 as soon as one rank is done
+    return int(t[0]), int(t[1])
+
+
+def own_done(oom, not_done):
+    t = torch.tensor([oom], dtype=torch.int32)
+    collectives.all_reduce(t, op="max")  # only oom is shared
+    return int(t[0]), 1 - not_done
+
+
 def local_flags(oom, not_done):
     return oom, 1 - not_done  # no all-reduce: each rank sees only its own flags
 
@@ -65,6 +79,8 @@ def test_agreement_checker():
     assert lab09.check_agreement(two_all_reduces).mistake == "two_all_reduces"
     assert lab09.check_agreement(forgot_one_minus).mistake == "not_done"
     assert lab09.check_agreement(local_flags).mistake == "local"
+    assert lab09.check_agreement(any_rank_done).mistake == "any_done"
+    assert lab09.check_agreement(own_done).mistake == "local_done"
     assert lab09.check_agreement(torch_distributed_max).solved
     assert lab09.check_agreement(torch_distributed_max_then_min).mistake == "two_all_reduces"
 
@@ -83,6 +99,42 @@ def test_next_microbatch_checker():
     halving_above_min = lab09.check_next_microbatch(lambda b, f, m=1: f // 2 if f // 2 >= m else None)
     assert halving_above_min.mistake == "plain_halving" and "does not divide" in halving_above_min.message
     assert lab09.check_next_microbatch(lambda b, f, m=1: f).mistake == "no_step_down"
+    assert lab09.check_next_microbatch(falls_back_to_min).mistake == "min_instead_of_none"
+    assert lab09.check_next_microbatch(divisor_of_failed).mistake == "divides_failed"
+
+
+def falls_back_to_min(b, f, m=1):
+    size = f // 2
+    while size >= m:
+        if b % size == 0:
+            return size
+        size -= 1
+    return m  # nothing fits: should be None
+
+
+def divisor_of_failed(b, f, m=1):
+    size = f // 2
+    while size >= m:
+        if f % size == 0:  # divides the failed size, not the batch
+            return size
+        size -= 1
+    return None
+
+
+def test_next_microbatch_that_never_returns_is_named(monkeypatch):
+    monkeypatch.setattr(lab09, "ANSWER_SECONDS", 0.5)
+
+    def never_lowers(b, f, m=1):
+        deadline = time.monotonic() + 30  # without the checker's limit this fails the test, not hangs it
+        size = f // 2
+        while size >= m and time.monotonic() < deadline:
+            if b % size == 0:
+                return size      # the size is never lowered: spins on the first size that does not divide
+        return None
+
+    verdict = lab09.check_next_microbatch(never_lowers)
+    assert verdict.mistake == "never_returns", verdict
+    assert "no answer within 0.5 s" in verdict.message
 
 
 def test_fail_at_raises_at_the_nth_allocation_of_a_phase():

@@ -32,7 +32,9 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import signal
 import sys
+import threading
 import types
 from typing import Any, Callable
 
@@ -118,7 +120,10 @@ _TORCH_COLLECTIVES = {"all_reduce": ("all_reduce", 0), "broadcast": ("broadcast"
                       "reduce_scatter_tensor": ("reduce_scatter", 1), "reduce_scatter": ("reduce_scatter", 1),
                       "all_to_all_single": ("all_to_all", 1), "all_to_all": ("all_to_all", 1),
                       # the names torch 2.13 gives the first two tensor forms (the old ones warn there)
-                      "all_gather_single": ("all_gather", 0), "reduce_scatter_single": ("reduce_scatter", 1)}
+                      "all_gather_single": ("all_gather", 0), "reduce_scatter_single": ("reduce_scatter", 1),
+                      # the object forms and gather (to one rank): the sent object or tensor counts
+                      "all_gather_object": ("all_gather", 1), "gather_object": ("gather", 0),
+                      "gather": ("gather", 0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +217,32 @@ def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str],
         return run
 
     return wrap
+
+
+class AnswerTimedOut(Exception):
+    """An answer called in this process ran past :func:`time_limit`'s seconds."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`AnswerTimedOut` inside the block once ``seconds`` (wall time) have passed, so
+    an answer whose loop never ends becomes a verdict instead of a cell that never returns. It
+    uses SIGALRM, so it limits only where that reaches: POSIX, on the main thread (where a
+    notebook cell runs); elsewhere the block runs unlimited. Raises nothing else itself."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise AnswerTimedOut(f"no answer within {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def unfinished_parts(answer: Any) -> list[str]:

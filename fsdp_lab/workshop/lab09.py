@@ -24,9 +24,11 @@ import itertools
 import time
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake, collective_calls
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, AnswerTimedOut, checker, collective_calls, correct, mistake,
+                                        time_limit)
 
 WORLD = 2
+ANSWER_SECONDS = 10.0  # wall time for all of next_microbatch's cases (well under 0.1 s when it is right)
 # every (oom, not_done) of each of the two ranks: 16 cases, run in one launch
 CASES = [tuple(c) for c in itertools.product(itertools.product((0, 1), repeat=2), repeat=WORLD)]
 
@@ -92,9 +94,20 @@ def _classify_wrong(wrong):
     if all(g == (c[r][0], 1 - c[r][1]) for c, r, g, _ in wrong):
         return mistake("local", f"{where}: those are this rank's own flags; all-reduce them so that "
                                 f"every rank sees all ranks' flags (want {want})")
-    if all(g == (w[0], 1 - w[1]) for _, _, g, w in wrong):
+    if all(g == (w[0], 1 - c[r][1]) for c, r, g, w in wrong):
+        return mistake("local_done", f"{where}: the first value is right, the second is this rank's own "
+                                     f"'done'; all-reduce not_done too, in the same tensor (want {want})")
+    if all(g == (c[r][0], w[1]) for c, r, g, w in wrong):
+        return mistake("local_oom", f"{where}: the second value is right, the first is this rank's own "
+                                    f"'oom'; all-reduce oom too, in the same tensor (want {want})")
+    # MAX(not_done) returned as it is differs from the formula on every call, not only on some
+    if len(wrong) == WORLD * len(CASES) and all(g == (w[0], 1 - w[1]) for _, _, g, w in wrong):
         return mistake("not_done", f"{where}: the second value is MAX of 'not done'; every rank is done "
                                    f"when that is 0, so return 1 minus it (want {want})")
+    if all(g == (w[0], max(1 - not_done for _, not_done in c)) for c, _, g, w in wrong):
+        return mistake("any_done", f"{where}: the second value is 1 as soon as any rank is done (MAX of "
+                                   "'done'); a rank may leave only when every rank is done: MIN(done), "
+                                   f"which is 1 - MAX(not done) (want {want})")
     return mistake("wrong", f"{where}, want {want}")
 
 
@@ -111,28 +124,50 @@ def check_next_microbatch(next_microbatch):
     None) for every batch 1-24, failed size 1 to the batch and minimum 1-3; name the usual mistakes."""
     cases = [(b, f, m) for b in range(1, 25) for f in range(1, b + 1) for m in (1, 2, 3)]
     cases.sort(key=lambda c: c[1] == 1)  # failed = 1 last: there every rule's answer looks alike
-    for b, f, m in cases:
-        got, want = next_microbatch(b, f, m), _reference(b, f, m)
-        if got == want:
-            continue
-        where = f"batch {b}, failed microbatch {f}, min {m}"
-        if got == f and f > 1:
-            return mistake("no_step_down", f"{where}: got {got}, the size that just failed; want {want}")
-        if got == max(f // 2, 1):   # halving's answer, wrong here for one of three reasons
-            if b % got:
-                why = f"{got} does not divide the batch {b}"
-            elif got < m:
-                why = f"{got} is below min_size {m}"
-            else:
-                why = f"{got} is no smaller than the size that failed, so nothing is left to try (None)"
-            return mistake("plain_halving", f"{where}: got {got}, want {want}. Plain halving is Composer's "
-                                            f"rule; here {why}")
-        if got is not None and got < m:
-            return mistake("below_min", f"{where}: got {got}, below min_size {m}; want {want}")
-        return mistake("wrong", f"{where}: got {got}, want {want}")
+    answers, case = {}, cases[0]
+    try:
+        with time_limit(ANSWER_SECONDS):
+            for case in cases:
+                answers[case] = next_microbatch(*case)
+    except AnswerTimedOut:
+        b, f, m = case
+        return mistake("never_returns", f"batch {b}, failed microbatch {f}, min {m}: no answer within "
+                                        f"{ANSWER_SECONDS:g} s; a loop whose size never changes runs forever "
+                                        "(lower the size on every pass)")
+    wrong = [(case, answers[case], _reference(*case)) for case in cases if answers[case] != _reference(*case)]
+    if wrong:
+        (b, f, m), got, want = wrong[0]
+        if all(answers[(b_, f_, m_)] == _reference(f_, f_, m_) for b_, f_, m_ in cases):
+            return mistake("divides_failed", f"batch {b}, failed microbatch {f}, min {m}: got {got}, a divisor "
+                                             f"of the failed size {f}; a microbatch must divide the batch {b} "
+                                             f"(want {want})")
+        return _microbatch_mistake(b, f, m, got, want)
     return correct(f"{len(cases)} cases (batch sizes 1-{max(b for b, _, _ in cases)}, every failed size, "
                    f"min_size 1-3) agree with AutoMicrobatch's rule: every microbatch divides the batch, "
                    "so each step still sums the same samples with the same weights")
+
+
+def _microbatch_mistake(b: int, f: int, m: int, got, want):
+    """Name the mistake behind one wrong ``next_microbatch(b, f, m)``: ``got`` against ``want``."""
+    where = f"batch {b}, failed microbatch {f}, min {m}"
+    if got == m and want is None:
+        return mistake("min_instead_of_none", f"{where}: got {got}, but no size from {f // 2} down to "
+                                              f"min_size {m} divides the batch: return None (the caller "
+                                              "then gives up), not min_size")
+    if got == f and f > 1:
+        return mistake("no_step_down", f"{where}: got {got}, the size that just failed; want {want}")
+    if got == max(f // 2, 1):   # halving's answer, wrong here for one of three reasons
+        if b % got:
+            why = f"{got} does not divide the batch {b}"
+        elif got < m:
+            why = f"{got} is below min_size {m}"
+        else:
+            why = f"{got} is no smaller than the size that failed, so nothing is left to try (None)"
+        return mistake("plain_halving", f"{where}: got {got}, want {want}. Plain halving is Composer's "
+                                        f"rule; here {why}")
+    if got is not None and got < m:
+        return mistake("below_min", f"{where}: got {got}, below min_size {m}; want {want}")
+    return mistake("wrong", f"{where}: got {got}, want {want}")
 
 
 # ----------------------------------------------------------------------------- the lab's measurements
