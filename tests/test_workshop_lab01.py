@@ -15,7 +15,7 @@ import torch
 
 from fsdp_lab import collectives
 from fsdp_lab.workshop import lab01
-from test_workshop_labs import SharedLaunch, Shipped
+from test_workshop_labs import Lab01Launch, Shipped
 
 LAB01 = Shipped("01_collectives")
 
@@ -93,7 +93,7 @@ def lab01_launch():
              (all_reduce_in_place, "reduce_scatter"), (torch_all_reduce, "reduce_scatter"), (torch_all_reduce_in_place, "all_reduce"),
              (gather_whole_and_sum, "all_reduce"), (sum_without_return, "all_reduce"),
              (in_two_parts, "all_reduce"), (dummy_collectives_beside_torch, "all_reduce")]
-    return SharedLaunch(lab01._run, cases, world_size=lab01.WORLD)
+    return Lab01Launch(cases, [(solution, "reduce_scatter"), (in_two_parts, "all_reduce")])
 
 
 def test_right_chunks_pass_only_within_the_rules(lab01_launch, monkeypatch):

@@ -61,10 +61,10 @@ def test_model_states_reference_is_the_hand_count():
 
 # ----------------------------------------------------------------------------- activations
 
-def _formula(config, batch_size, seq_len, *, e=2, norm_fp32=4, lse=True, log_softmax=True, ids=True,
-             labels=True):
+def _formula(config, batch_size, seq_len, *, e=2, norm_fp32=4, norm_bf16=2, lse=True, log_softmax=True,
+             ids=True, labels=True):
     T, d, f, h, V = batch_size * seq_len, config.dim, config.ffn_hidden, config.n_heads, config.vocab_size
-    norm = norm_fp32 * T * d + 2 * e * T * d + 4 * T
+    norm = norm_fp32 * T * d + norm_bf16 * e * T * d + 4 * T
     block = 2 * norm + 4 * e * T * d + (4 * T * h if lse else 0) + e * T * d + 4 * e * T * f
     return (config.n_layers * block + norm + (4 * T * V if log_softmax else 0) + (8 * T if ids else 0)
             + (8 * T if labels else 0))
@@ -78,7 +78,12 @@ def test_predict_activations_verdicts():
     check = lab02.check_predict_activations
     assert check(lambda c, b, s: _formula(c, b, s, log_softmax=False)).mistake == "no_log_softmax"
     assert check(lambda c, b, s: _formula(c, b, s, lse=False)).mistake == "no_logsumexp"
-    assert check(lambda c, b, s: _formula(c, b, s, norm_fp32=2)).mistake == "norm_copy_in_bf16"
+    # short by 2Td per norm: the float32 copy counted in bf16, or one of the two bf16 tensors left out
+    for short in (dict(norm_fp32=2), dict(norm_bf16=1)):
+        norm = check(lambda c, b, s: _formula(c, b, s, **short))
+        assert norm.mistake == "norm_copy_in_bf16", norm
+        assert "float32 copy counted at 2 bytes" in norm.message
+        assert "normalised input cast back, or the norm's output" in norm.message
     for missing in (dict(ids=False), dict(labels=False)):
         one = check(lambda c, b, s: _formula(c, b, s, **missing))
         assert one.mistake == "no_ids_or_labels" and "input ids the embedding saves" in one.message

@@ -135,6 +135,45 @@ def sum_of_values(values):
     return total.item()
 
 
+def integer_mean(values):
+    totals = torch.tensor([int(values.sum().item()), values.numel()])
+    collectives.all_reduce(totals)
+    return (totals[0] // totals[1]).item()              # integer division drops the fraction
+
+
+def gather_objects_mean(values):
+    import torch.distributed as dist
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, values)          # the right mean, from all values in one place
+    return torch.cat(everything).mean().item()
+
+
+def gather_to_one_mean(values):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everything = [None] * world if rank == 0 else None
+    dist.gather_object(values, everything, dst=0)       # rank 0 collects every rank's values
+    mean = torch.tensor(torch.cat(everything).mean().item() if rank == 0 else 0.0, dtype=torch.float64)
+    collectives.broadcast(mean, src=0)
+    return mean.item()
+
+
+def gather_tensor_mean(values):
+    import torch.distributed as dist
+    padded = torch.zeros(dist.get_world_size(), dtype=values.dtype)
+    padded[:values.numel()] = values
+    everything = torch.empty(dist.get_world_size() * padded.numel(), dtype=values.dtype)
+    collectives.all_gather_into_tensor(everything, padded)
+    counts = torch.arange(1, dist.get_world_size() + 1)  # rank r holds r + 1 values
+    return (everything.sum() / counts.sum()).item()
+
+
+def all_reduce_values(values):
+    v = values.clone()
+    collectives.all_reduce(v)                           # the ranks' tensors differ in size
+    return v.mean().item()
+
+
 LAB00 = Shipped("00_start_here")
 
 
@@ -142,7 +181,10 @@ LAB00 = Shipped("00_start_here")
 def lab00_launch():
     solution = LAB00["global_mean"][1]
     return SharedLaunch(lab00._run_global_mean, [(solution,), (mean_of_means,), (local_mean,),
-                                                 (sum_of_values,)], world_size=lab00.MEAN_WORLD)
+                                                 (sum_of_values,), (integer_mean,),
+                                                 (gather_objects_mean,), (gather_to_one_mean,),
+                                                 (gather_tensor_mean,)],
+                        world_size=lab00.MEAN_WORLD)
 
 
 def test_global_mean_verdicts(lab00_launch, monkeypatch):
@@ -151,10 +193,27 @@ def test_global_mean_verdicts(lab00_launch, monkeypatch):
     assert lab00.check_global_mean(stub).mistake == "stub"
     monkeypatch.setattr(lab00, "launch", lab00_launch.launch)
     right = lab00.check_global_mean(solution)
-    assert right.solved and "every rank returned 14" in right.message   # (0+10+11+20+21+22) / 6
+    # (0 + 10+12 + 20+22+24) / 6 = 88 / 6: no whole number, so an integer division shows
+    assert right.solved and "every rank returned 14.6667, the mean of all 6 values" in right.message
     assert lab00.check_global_mean(mean_of_means).mistake == "mean_of_means"
     assert lab00.check_global_mean(local_mean).mistake == "no_collective"
     assert lab00.check_global_mean(sum_of_values).mistake == "not_divided"
+    floor = lab00.check_global_mean(integer_mean)
+    assert floor.mistake == "integer_division" and "returned 14," in floor.message
+    # the right mean, but from the values collected in one place
+    for gathering, used in ((gather_objects_mean, "all_gather"), (gather_to_one_mean, "gather"),
+                            (gather_tensor_mean, "all_gather")):
+        verdict = lab00.check_global_mean(gathering)
+        assert verdict.mistake == "gathered_values", f"{gathering.__name__}: {verdict}"
+        assert f"used {used}," in verdict.message and "only its sum and its count" in verdict.message
+
+
+def test_global_mean_of_different_sizes_is_named():
+    # a real launch: ranks all-reducing tensors of different sizes break the process group
+    verdict = lab00.check_global_mean(all_reduce_values)
+    assert verdict.mistake == "different_sizes", verdict
+    assert "different sizes" in verdict.message and "fixed-size totals" in verdict.hint
+    assert "Connection" not in verdict.message
 
 
 def floor_range(numel, rank, world):
@@ -222,16 +281,72 @@ def own_chunk_unreduced(t):
     return t[rank * k:(rank + 1) * k].clone()
 
 
+def next_chunk(t):
+    import torch.distributed as dist
+    rank, k = dist.get_rank(), t.numel() // dist.get_world_size()
+    total = t.clone()
+    collectives.all_reduce(total)
+    return total[(rank + 1) * k:(rank + 2) * k]      # off by one: the last rank gets nothing
+
+
+def last_chunk_short(t):
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = t.numel() // world
+    total = t.clone()
+    collectives.all_reduce(total)
+    return total[rank * k:(rank + 1) * k - (rank == world - 1)]   # the last rank drops an element
+
+
+def own_slice_reduced(t):
+    import torch.distributed as dist
+    rank, k = dist.get_rank(), t.numel() // dist.get_world_size()
+    mine = t[rank * k:(rank + 1) * k].clone()
+    collectives.all_reduce(mine)                     # adds the ranks' different slices together
+    return mine
+
+
+def all_reduce_for_four(t):
+    shard = torch.empty(t.numel() // 4, dtype=t.dtype)   # the world size of the check, fixed
+    collectives.reduce_scatter_tensor(shard, t)
+    collectives.all_gather_into_tensor(t, shard)
+    return t
+
+
+def reduce_scatter_for_four(t):
+    import torch.distributed as dist
+    rank, k = dist.get_rank(), t.numel() // 4            # the world size of the check, fixed
+    total = t.clone()
+    collectives.all_reduce(total)
+    return total[rank * k:(rank + 1) * k]
+
+
+class Lab01Launch:
+    """Lab 01's checkers run a right answer once more on SMALL_WORLD ranks: one SharedLaunch
+    per world size, each checker launch answered from the one of its size."""
+
+    def __init__(self, cases: list[tuple], small_cases: list[tuple]):
+        self.shared = {lab01.WORLD: SharedLaunch(lab01._run, cases, world_size=lab01.WORLD),
+                       lab01.SMALL_WORLD: SharedLaunch(lab01._run, [(*c, lab01.SMALL_PER_RANK) for c in small_cases],
+                                                       world_size=lab01.SMALL_WORLD)}
+
+    def launch(self, fn, *case, world_size, **kwargs):
+        return self.shared[world_size].launch(fn, *case, world_size=world_size, **kwargs)
+
+
 LAB01 = Shipped("01_collectives")
 
 
 @pytest.fixture(scope="module")
 def lab01_launch():
     ar, rs = LAB01["my_all_reduce"][1], LAB01["my_reduce_scatter"][1]
-    cases = [(ar, "all_reduce"), (averaged_all_reduce, "all_reduce"), (shard_only, "all_reduce"),
-             (all_reduce_itself, "all_reduce"), (rs, "reduce_scatter"),
-             (first_chunk_everywhere, "reduce_scatter"), (own_chunk_unreduced, "reduce_scatter")]
-    return SharedLaunch(lab01._run, cases, world_size=lab01.WORLD)
+    right = [(ar, "all_reduce"), (all_reduce_for_four, "all_reduce"), (rs, "reduce_scatter"),
+             (reduce_scatter_for_four, "reduce_scatter")]
+    cases = right + [(averaged_all_reduce, "all_reduce"), (shard_only, "all_reduce"),
+                     (all_reduce_itself, "all_reduce"), (first_chunk_everywhere, "reduce_scatter"),
+                     (own_chunk_unreduced, "reduce_scatter"), (next_chunk, "reduce_scatter"),
+                     (last_chunk_short, "reduce_scatter"), (own_slice_reduced, "reduce_scatter")]
+    return Lab01Launch(cases, right)
 
 
 def test_my_all_reduce_verdicts(lab01_launch, monkeypatch):
@@ -245,6 +360,10 @@ def test_my_all_reduce_verdicts(lab01_launch, monkeypatch):
     assert lab01.check_my_all_reduce(averaged_all_reduce).mistake == "averaged"
     assert lab01.check_my_all_reduce(shard_only).mistake == "returned_shard"
     assert lab01.check_my_all_reduce(all_reduce_itself).mistake == "used_all_reduce"
+    # right on the check's 4 ranks, but the 4 is written into the answer
+    fixed = lab01.check_my_all_reduce(all_reduce_for_four)
+    assert fixed.mistake == "fixed_world_size", fixed
+    assert "not on 2 ranks with 10 elements" in fixed.message and "dist.get_world_size()" in fixed.hint
 
 
 def test_my_reduce_scatter_verdicts(lab01_launch, monkeypatch):
@@ -258,6 +377,16 @@ def test_my_reduce_scatter_verdicts(lab01_launch, monkeypatch):
     assert "sends 36: 2x the traffic" in right.message
     assert lab01.check_my_reduce_scatter(first_chunk_everywhere).mistake == "wrong_chunk"
     assert lab01.check_my_reduce_scatter(own_chunk_unreduced).mistake == "not_reduced"
+    shifted = lab01.check_my_reduce_scatter(next_chunk)
+    assert shifted.mistake == "wrong_chunk", shifted
+    assert "rank 0 returned the chunk of rank 1 (and rank 3 returned 0 elements)" in shifted.message
+    short = lab01.check_my_reduce_scatter(last_chunk_short)
+    assert short.mistake == "wrong_size" and "rank 3 returned 2 elements" in short.message, short
+    own = lab01.check_my_reduce_scatter(own_slice_reduced)
+    assert own.mistake == "reduced_own_slice" and "only your slice" in own.message, own
+    fixed = lab01.check_my_reduce_scatter(reduce_scatter_for_four)
+    assert fixed.mistake == "fixed_world_size", fixed
+    assert "rank 0 returned 2 elements where a chunk has 5" in fixed.message
 
 
 # ----------------------------------------------------------------------------- lab 03
@@ -360,6 +489,60 @@ class ShardOfOnlyZeRO3(zero.ZeRO3):
         self.shards = None                                 # kept only in self.shard_of
 
 
+class NoForwardGatherZeRO3(zero.ZeRO3):
+    def setup(self):
+        super().setup()
+        for unit in self.units():                       # keep the backward hook, drop the forward pre-hook
+            unit._forward_pre_hooks.clear()
+
+
+class FreedBeforeShardZeRO3(zero.ZeRO3):
+    def setup(self):
+        for p in self.params:
+            free_storage(p)                             # freed before param_shard copies its slice
+        super().setup()
+
+
+def _zero3_setup(stage, free=True, late_binding=False):
+    """ZeRO3.setup written out, with the mistakes a learner makes in it."""
+    stage.shards = [stage.param_shard(p) for p in stage.params]
+    stage.shard_of = dict(zip(stage.params, stage.shards))
+    for p, shard in zip(stage.params, stage.shards):
+        if free:
+            free_storage(p)
+        p.register_post_accumulate_grad_hook(functools.partial(stage.reduce_gradient, shard))
+    stage.optimizer = stage.make_optimizer(stage.shards)
+    for unit in stage.units():
+        if late_binding:                                # every hook gathers the loop's last unit
+            unit.register_forward_pre_hook(lambda m, a: stage.gather(unit))
+        else:
+            unit.register_forward_pre_hook(lambda m, a: stage.gather(m))
+        unit.register_forward_hook(lambda m, a, o: stage.free(m))
+        unit.register_full_backward_pre_hook(lambda m, g: stage.gather(m))
+
+
+class LateBindingZeRO3(zero.ZeRO3):
+    def setup(self):
+        _zero3_setup(self, late_binding=True)
+
+
+class NotFreedInSetupZeRO3(zero.ZeRO3):
+    def setup(self):
+        _zero3_setup(self, free=False)                  # the first forward hook frees them instead
+
+
+class WholeOptimizerZeRO1(zero.ZeRO1):
+    def setup(self):
+        super().setup()
+        self.optimizer = self.make_optimizer(self.params)   # whole parameters, not the shards
+
+
+class WholeOptimizerZeRO3(zero.ZeRO3):
+    def setup(self):
+        super().setup()
+        self.optimizer = self.make_optimizer(self.params)
+
+
 LAB03 = Shipped("03_zero_by_hand")
 STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced",
                                               TorchDistributedDDP: "no_collective"}),
@@ -367,13 +550,19 @@ STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentD
                                                     AllReduceZeRO1: "wire_bytes",
                                                     OtherSliceZeRO1: "wrong_shard",
                                                     StaleZeRO1: "stale_gradients",
-                                                    UntaggedGradZeRO1: "untagged_grad_slices"}),
+                                                    UntaggedGradZeRO1: "untagged_grad_slices",
+                                                    WholeOptimizerZeRO1: "optimizer_not_sharded"}),
           "ZeRO2": (lab03.check_zero2, zero.ZeRO2, {LateDropZeRO2: "whole_grads_kept"}),
           "ZeRO3": (lab03.check_zero3, zero.ZeRO3, {NoBackwardGatherZeRO3: "freed_before_backward",
                                                     NeverFreedZeRO3: "not_freed_after_forward",
                                                     KeptAfterBackwardZeRO3: "not_freed_after_backward",
                                                     UntaggedShardsZeRO3: "untagged_param_shards",
-                                                    ShardOfOnlyZeRO3: "no_self_shards"})}
+                                                    ShardOfOnlyZeRO3: "no_self_shards",
+                                                    NoForwardGatherZeRO3: "not_gathered_for_forward",
+                                                    LateBindingZeRO3: "not_gathered_for_forward",
+                                                    FreedBeforeShardZeRO3: "freed_before_shard",
+                                                    NotFreedInSetupZeRO3: "params_not_sharded",
+                                                    WholeOptimizerZeRO3: "optimizer_not_sharded"})}
 
 
 @pytest.fixture(scope="module")

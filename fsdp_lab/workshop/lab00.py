@@ -1,8 +1,9 @@
 """Checkers for lab 00 (ranks, process groups, launch).
 
 * ``check_global_mean(global_mean)``: every rank holds a different number of values; the
-  learner's ``global_mean(values)`` must return, on every rank, the mean of all of them.
-  Reference: the mean of the concatenated values, computed here in one process.
+  learner's ``global_mean(values)`` must return, on every rank, the mean of all of them, without
+  gathering the values (the collectives it issues are recorded: any all-gather or gather is a
+  mistake). Reference: the mean of the concatenated values, computed here in one process.
 * ``check_shard_range(shard_range)``: ``shard_range(numel, rank, world)`` gives the
   ``(start, end)`` of a rank's contiguous shard of ``numel`` elements, padded so every rank
   has ``ceil(numel / world)``. Reference: fsdp_lab's FSDP1 (``fsdp1.shard_boundaries``).
@@ -15,23 +16,43 @@ import math
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, correct, is_placeholder, mistake,
-                                        placeholder_left, checker)
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, collective_calls, correct,
+                                        is_placeholder, mistake, placeholder_left)
 
 MEAN_WORLD = 3  # ranks for check_global_mean
 
 
 def rank_values(rank: int) -> torch.Tensor:
     """What rank ``rank`` holds in the global-mean exercise: rank r holds r + 1 values,
-    10r, 10r + 1, ... (rank 0: [0.]; rank 1: [10., 11.]; rank 2: [20., 21., 22.])."""
-    return torch.arange(rank + 1, dtype=torch.float64) + 10.0 * rank
+    10r, 10r + 2, ... (rank 0: [0.]; rank 1: [10., 12.]; rank 2: [20., 22., 24.]). Their mean,
+    88 / 6, is no whole number, so an integer division shows."""
+    return 2.0 * torch.arange(rank + 1, dtype=torch.float64) + 10.0 * rank
+
+
+GATHERS = ("all_gather", "gather")  # collectives that collect the values in one place
 
 
 def _run_global_mean(global_mean):
     import torch.distributed as dist
 
-    value = global_mean(rank_values(dist.get_rank()))
-    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    with collective_calls() as calls:
+        value = global_mean(rank_values(dist.get_rank()))
+    value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+    return {"value": value, "collectives": [c.name for c in calls]}
+
+
+def _explain_mean(error: BaseException, text: str):
+    # gloo all-reducing tensors of different sizes: a rank's transfer does not fit, the pair is
+    # closed, and the first error reported is a closed connection (or a size mismatch)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "all_reduce" in text and ("Connection closed by peer" in first or "mismatch" in first.lower()):
+        return mistake("different_sizes", "the ranks all-reduced tensors of different sizes (each "
+                                          "rank holds a different number of values), which an "
+                                          "all-reduce cannot combine: every rank must pass a "
+                                          "tensor of the same size",
+                       "all-reduce fixed-size totals instead: one tensor [sum of values, number of "
+                       "values] on every rank, then divide")
+    return None
 
 
 def _close(a, b) -> bool:
@@ -39,13 +60,23 @@ def _close(a, b) -> bool:
 
 
 @checker("global_mean", hint="all-reduce two numbers from every rank, the sum of its values and "
-                              "how many it holds; then divide one total by the other")
+                              "how many it holds; then divide one total by the other",
+         explain=_explain_mean)
 def check_global_mean(global_mean):
     """Run ``global_mean(values)`` on 3 ranks whose values differ in number, and compare each
-    rank's answer with the mean of all values computed in one process."""
-    answers = launch(_run_global_mean, global_mean, world_size=MEAN_WORLD, timeout=CHECK_TIMEOUT)
+    rank's answer with the mean of all values computed in one process; an answer that gathers
+    the values (any all-gather or gather, recorded) is a mistake even when its mean is right."""
+    out = launch(_run_global_mean, global_mean, world_size=MEAN_WORLD, timeout=CHECK_TIMEOUT)
+    answers = [o["value"] for o in out]
     if any(is_placeholder(a) for a in answers):
         return placeholder_left("global_mean")
+    gathers = sorted({name for o in out for name in o["collectives"] if name in GATHERS})
+    if gathers:
+        return mistake("gathered_values", f"your function used {' and '.join(gathers)}, which "
+                                          "collects every rank's data in one place; the rule is "
+                                          "not to collect the values: each rank sends only its "
+                                          "sum and its count (two numbers, however many values "
+                                          "it holds), and an all-reduce adds them up")
     held = [rank_values(r) for r in range(MEAN_WORLD)]
     everything = torch.cat(held)
     expected = everything.mean().item()
@@ -68,6 +99,12 @@ def check_global_mean(global_mean):
                                         f"of values, so each value must count once: the mean is "
                                         f"{expected:g}",
                        "all-reduce the sum of the values and the number of values, not the means")
+    if all(_close(a, math.floor(expected)) for a in answers):
+        return mistake("integer_division", f"every rank returned {answers[0]:g}, the mean rounded "
+                                           f"down to a whole number; the mean of all values is "
+                                           f"{expected:g}",
+                       "divide in floating point: totals[0] / totals[1] (an integer tensor, int() "
+                       "or // drops the fraction)")
     if all(_close(a, everything.sum().item()) for a in answers) or all(
             _close(a, sum(local)) for a in answers):
         return mistake("not_divided", "every rank returned a sum over the ranks, not a mean: "

@@ -7,34 +7,41 @@
   of a copy of ``t``: any collective but ``collectives.all_reduce`` and any change to ``t`` are
   mistakes. Reference: ``collectives.reduce_scatter_tensor``; the verdict also prices the
   answer's bytes on the wire (from its timeline) against a real reduce-scatter's.
+
+An answer right on the 4 ranks is run once more on 2 ranks with 5 elements a chunk: one that fixes
+the world size (``t.numel() // 4``) or the chunk size is a mistake.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fsdp_lab.launch import launch
+from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from fsdp_lab.workshop.measure import wire_bytes
 from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake,
                                         placeholder_left)
 
 WORLD = 4
 ELEMENTS_PER_RANK = 3  # each rank's chunk; the full tensor has WORLD * ELEMENTS_PER_RANK
+SMALL_WORLD, SMALL_PER_RANK = 2, 5  # the second run of a right answer: another world and chunk size
 
 
-def _rank_input(rank: int) -> torch.Tensor:
-    """Rank ``rank``'s full-size input: distinct small integers, exact in float32."""
-    return torch.arange(WORLD * ELEMENTS_PER_RANK, dtype=torch.float32) * (rank + 1) + 100.0 * rank
+def _rank_input(rank: int, numel: int = WORLD * ELEMENTS_PER_RANK) -> torch.Tensor:
+    """Rank ``rank``'s full-size input: distinct small integers, exact in float32, with a seeded
+    random term so that no rank's input is a linear function of the rank (sums of other slices
+    than the right ones then never match a chunk by chance)."""
+    noise = torch.randint(0, 50, (numel,), generator=torch.Generator().manual_seed(rank))
+    return torch.arange(numel, dtype=torch.float32) * (rank + 1) + 100.0 * rank + noise.float()
 
 
-def _run(answer, which: str):
+def _run(answer, which: str, per_rank: int = ELEMENTS_PER_RANK):
     import torch.distributed as dist
 
     from fsdp_lab import collectives
     from fsdp_lab.timeline import Timeline
 
     rank = dist.get_rank()
-    given = _rank_input(rank)
+    given = _rank_input(rank, dist.get_world_size() * per_rank)
     t = given.clone()
     with Timeline() as tl:
         result = answer(t)
@@ -42,7 +49,7 @@ def _run(answer, which: str):
     if which == "all_reduce":
         collectives.all_reduce(reference)
     else:
-        reference = torch.empty(ELEMENTS_PER_RANK)
+        reference = torch.empty(per_rank)
         collectives.reduce_scatter_tensor(reference, given.clone())
     if isinstance(result, torch.Tensor):
         result = result.detach().clone()
@@ -52,6 +59,43 @@ def _run(answer, which: str):
 
 def _same(a, b) -> bool:
     return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
+
+
+def _other_world(answer, which: str):
+    """None if ``answer``, right on WORLD ranks, is also right on SMALL_WORLD ranks with
+    SMALL_PER_RANK elements a chunk; else the mistake "fixed_world_size"."""
+    numel = SMALL_WORLD * SMALL_PER_RANK
+    try:
+        out = launch(_run, answer, which, SMALL_PER_RANK, world_size=SMALL_WORLD, timeout=CHECK_TIMEOUT)
+    except LaunchError as error:
+        what = f"rank {error.rank} raised {_error_line(error)}"
+    except LaunchTimeout:
+        what = "the ranks hung in their collectives"
+    else:
+        wrong = [rank for rank, o in enumerate(out) if not _same(o["result"], o["reference"])
+                 or (which == "all_reduce" and not _same(o["t"], o["reference"]))]
+        if not wrong:
+            return None
+        rank, o = wrong[0], out[wrong[0]]
+        result = o["result"] if which == "reduce_scatter" or not _same(o["result"], o["reference"]) else o["t"]
+        if isinstance(result, torch.Tensor) and result.numel() != o["reference"].numel():
+            what = f"rank {rank} returned {result.numel()} elements where a chunk has {SMALL_PER_RANK}"
+            if which == "all_reduce":
+                what = f"rank {rank} returned {result.numel()} elements of {numel}"
+        else:
+            what = f"rank {rank} got {_show(result)}, expected {_show(o['reference'])}"
+    return mistake("fixed_world_size", f"right on {WORLD} ranks, but not on {SMALL_WORLD} ranks with "
+                                       f"{numel} elements ({what}): the chunk size must come from "
+                                       "the tensor and the world the function runs on, not from "
+                                       f"this check's {WORLD} ranks",
+                   "k = t.numel() // dist.get_world_size(): no fixed 4 (or 3) in the code")
+
+
+def _error_line(error: LaunchError) -> str:
+    """The failing rank's error in one line, without gloo's addresses."""
+    line = (str(error).strip().splitlines() or ["an error"])[0]
+    line = line.split(" raised ", 1)[1] if " raised " in line else line
+    return "an error in a collective" if "gloo" in line or "Connection" in line else line
 
 
 def _used(out) -> str:
@@ -114,6 +158,9 @@ def check_my_all_reduce(my_all_reduce):
         else:
             moved = (f"{sum(rs)} bytes in {len(rs)} reduce-scatter{'s' * (len(rs) > 1)} and "
                      f"{sum(ag)} in {len(ag)} all-gather{'s' * (len(ag) > 1)}")
+        fixed = _other_world(my_all_reduce, "all_reduce")
+        if fixed is not None:
+            return fixed
         return correct(f"on {WORLD} ranks t holds the sum, as with all_reduce; you moved {moved}, "
                        f"{wire} bytes sent per rank: what a ring all-reduce of that size sends, "
                        "because a ring all-reduce is exactly these two steps")
@@ -165,6 +212,9 @@ def check_my_reduce_scatter(my_reduce_scatter):
                        "all-reduce a copy: total = t.clone(); collectives.all_reduce(total); "
                        "then slice total, not t")
     if all(_same(o["result"], o["reference"]) for o in out):
+        fixed = _other_world(my_reduce_scatter, "reduce_scatter")
+        if fixed is not None:
+            return fixed
         size = WORLD * ELEMENTS_PER_RANK * 4
         real = round(size * (WORLD - 1) / WORLD)
         return correct(f"every rank holds its chunk of the sum, as with reduce_scatter_tensor; "
@@ -176,12 +226,34 @@ def check_my_reduce_scatter(my_reduce_scatter):
     results = [o["result"] for o in out]
     if not all(isinstance(r, torch.Tensor) for r in results):
         return mistake("not_a_tensor", "return this rank's chunk as a tensor")
-    if any(r.numel() != ELEMENTS_PER_RANK for r in results):
-        if all(r.numel() == WORLD * ELEMENTS_PER_RANK for r in results):
-            return mistake("whole_sum", "every rank returned the whole sum; keep only this rank's "
-                                        "chunk")
-        return mistake("wrong_size", f"rank 0 returned {results[0].numel()} elements; a chunk has "
-                                     f"t.numel() // world = {ELEMENTS_PER_RANK}")
+    k = ELEMENTS_PER_RANK
+    if all(r.numel() == WORLD * k for r in results):
+        return mistake("whole_sum", "every rank returned the whole sum; keep only this rank's "
+                                    "chunk")
+    # each rank all-reduced only its own slice: all get the sum of rank s's slice s over s
+    own_slices = sum(_rank_input(r)[r * k:(r + 1) * k] for r in range(WORLD))
+    if all(_same(r, own_slices) for r in results):
+        return mistake("reduced_own_slice", f"you all-reduced only your slice: every rank passed "
+                                            f"its own {k} elements t[rank·k:(rank+1)·k], and an "
+                                            "all-reduce adds element i of every rank's tensor, so "
+                                            "each chunk was added to other ranks' chunks; all "
+                                            "ranks got the same wrong sum",
+                       "all-reduce a copy of the whole tensor (every rank passes the same "
+                       "positions), then slice this rank's chunk out of the sum")
+    sized = [rank for rank, r in enumerate(results) if r.numel() != k]
+    # full-size chunks that are other ranks' explain a shifted slice, whatever the other sizes
+    shifted = [(rank, [o for o in range(WORLD) if o != rank and _same(r, expected[o])])
+               for rank, r in enumerate(results) if r.numel() == k and not _same(r, expected[rank])]
+    if shifted and all(other for _, other in shifted):
+        (rank, other), sizes = shifted[0], ""
+        if sized:
+            sizes = f" (and rank {sized[0]} returned {results[sized[0]].numel()} elements)"
+        return mistake("wrong_chunk", f"rank {rank} returned the chunk of rank {other[0]}{sizes}; "
+                                      f"rank r keeps elements [r·k, (r+1)·k)",
+                       "slice the all-reduced copy with the rank: total[rank * k:(rank + 1) * k]")
+    if sized:
+        return mistake("wrong_size", f"rank {sized[0]} returned {results[sized[0]].numel()} "
+                                     f"elements; a chunk has t.numel() // world = {k}")
     for rank, result in enumerate(results):
         if _same(result, expected[rank]):
             continue

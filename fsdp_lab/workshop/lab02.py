@@ -105,7 +105,7 @@ def check_predict_activations(predict_activations):
     from fsdp_lab.models.llama import LlamaConfig
 
     cfg = LlamaConfig.from_name("cpu")
-    d, f, h, V, L = cfg.dim, cfg.ffn_hidden, cfg.n_heads, cfg.vocab_size, cfg.n_layers
+    d, h, V, L = cfg.dim, cfg.n_heads, cfg.vocab_size, cfg.n_layers
     shown = []
     for batch_size, seq_len in ACTIVATION_SHAPES:
         measured = _measured_activations(batch_size, seq_len)
@@ -128,8 +128,12 @@ def check_predict_activations(predict_activations):
             return mistake("no_logsumexp", f"{where}: short by 4Th per block, the float32 log-sum-exp "
                                            "per head and token that fused attention saves")
         if near(-2 * T * d * (2 * L + 1)):
-            return mistake("norm_copy_in_bf16", f"{where}: short by 2Td per RMSNorm; the norm saves its "
-                                                "input upcast to float32 (4 bytes) even in a bf16 model")
+            return mistake("norm_copy_in_bf16", f"{where}: short by 2Td per RMSNorm, which is either "
+                                                "its input's float32 copy counted at 2 bytes (the norm "
+                                                "upcasts its input to float32, 4 bytes, even in a bf16 "
+                                                "model) or one of its two bf16 tensors left out (the "
+                                                "normalised input cast back, or the norm's output): "
+                                                "each norm saves 4Td + 2eTd + 4T")
         if near(-16 * T):
             return mistake("no_int64_tokens", f"{where}: short by 16T, the int64 input ids the embedding "
                                               "saves (to scatter its weight's gradient) and the int64 "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 
 import torch
@@ -54,6 +55,8 @@ class StageRun:
     final: dict[str, torch.Tensor]
     memory: object     # fsdp_lab.memory.MemoryResult of step MEASURED_STEP
     timeline: object   # fsdp_lab.timeline.Timeline of step MEASURED_STEP
+    numels: list[int] = dataclasses.field(default_factory=list)  # of each optimizer tensor, first step
+    kept_after_setup: int = 0  # bytes the model's parameters still held right after construction
 
 
 def batch_for(step: int, rank: int = 0, world_size: int = 1):
@@ -77,10 +80,14 @@ def train_on_rank(stage_class, params_from_shards: bool = False) -> StageRun:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Llama(CONFIG, seed=0)
     stage = stage_class(model)
+    kept_after_setup = sum(p.untyped_storage().nbytes() for p in model.parameters())
     optimizer = stage.optimizer
     seen: list[list] = []
+    numels: list[int] = []
 
     def record(opt, args, kwargs):
+        if not seen:
+            numels.extend(t.numel() for group in opt.param_groups for t in group["params"])
         if len(seen) < 2:
             seen.append([t.grad.detach().clone() if t.grad is not None else None
                          for group in opt.param_groups for t in group["params"]])
@@ -100,7 +107,7 @@ def train_on_rank(stage_class, params_from_shards: bool = False) -> StageRun:
         if step == 0:
             after_first = stage.full_parameters(params_from_shards)
     return StageRun(rank, world, losses, seen, after_first, stage.full_parameters(params_from_shards),
-                    memory, timeline)
+                    memory, timeline, numels, kept_after_setup)
 
 
 def measure(stage_class, world_size: int = WORLD, *, params_from_shards: bool | None = None,
@@ -213,6 +220,27 @@ def kib(nbytes: float) -> str:
 # ----------------------------------------------------------------------------- checking
 
 
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line \d+, in (?P<func>\S+)\s*$', re.MULTILINE)
+
+
+def _phase(text: str) -> str:
+    """Where a rank's error was raised, read from the frames of its traceback below
+    ``train_on_rank``: "setup" (the stage's construction), "backward" (inside autograd's
+    backward: ``loss.backward()`` and the hooks it runs), "forward" (elsewhere in a training
+    step) or "" (no traceback, or raised elsewhere, e.g. while reading the parameters back)."""
+    frames = [(m["file"], m["func"]) for m in _FRAME.finditer(text)]
+    below = [i for i, (_, func) in enumerate(frames) if func == "train_on_rank"]
+    if not below or below[-1] + 1 >= len(frames):
+        return ""
+    inner = frames[below[-1] + 1:]
+    if inner[0][1] == "__init__":
+        return "setup"
+    if inner[0][1] != "step":
+        return ""
+    autograd = any(func in ("backward", "_engine_run_backward") and "torch" in file for file, func in inner)
+    return "backward" if autograd else "forward"
+
+
 def _explain(error: BaseException, text: str):
     if "self.shards is not set" in text:
         return mistake("no_self_shards", "the stage never set self.shards, which the check reads to "
@@ -221,14 +249,29 @@ def _explain(error: BaseException, text: str):
     if "optimizer" in text and "AttributeError" in text:
         return mistake("no_optimizer", "the stage has no `self.optimizer` after setup()",
                        "setup() must create self.optimizer (self.make_optimizer(tensors))")
-    if ("storage of size 0" in text or "storage size of 0" in text or "0 bytes" in text) and (
-            "backward" in text or "grad" in text):
+    freed = "storage of size 0" in text or "storage size of 0" in text or re.search(r"\b0 bytes", text)
+    phase = _phase(text) if freed else ""
+    if phase == "setup":
+        return mistake("freed_before_shard",
+                       "setup read a parameter whose storage was already freed: free_storage(p) ran "
+                       "before self.param_shard(p) took this rank's slice of it, so there was nothing "
+                       "to copy", "in setup(): first self.shards = [self.param_shard(p) for p in "
+                                  "self.params], then free_storage(p) for each parameter")
+    if phase == "forward":
+        return mistake("not_gathered_for_forward",
+                       "forward used a parameter whose storage was freed: a unit's parameters were "
+                       "not gathered before its forward",
+                       "register a forward pre-hook on each unit that gathers that unit, the module "
+                       "the hook receives (unit.register_forward_pre_hook(lambda module, args: "
+                       "self.gather(module))); a lambda that names the loop variable gathers the "
+                       "loop's last unit for every unit")
+    if phase == "backward":
         return mistake("freed_before_backward",
                        "backward used a parameter whose storage was freed: it was freed after "
                        "forward and not gathered again before its unit's backward",
                        "register a backward pre-hook on each unit that gathers its parameters "
                        "(unit.register_full_backward_pre_hook)")
-    if "storage of size 0" in text or "storage size of 0" in text:
+    if freed:
         return mistake("used_freed_parameter", "a parameter was used while its storage was freed: "
                                                "gather a unit's parameters before its forward")
     if "'NoneType' object has no attribute" in text and "grad" in text:
@@ -268,8 +311,8 @@ def _check_stage(stage: str, stage_class):
             return mistake("optimizer_tensors", f"the optimizer of rank {run.rank} steps {len(got)} "
                                                 f"tensors; it should step one per parameter "
                                                 f"({len(names)}), in the model's order")
-        if sharded and all(g is not None and g.numel() == ref.initial[n].numel()
-                           for g, n in zip(got, names)):
+        numels = run.numels or [None if g is None else g.numel() for g in got]
+        if sharded and all(k == ref.initial[n].numel() for k, n in zip(numels, names)):
             return mistake("optimizer_not_sharded", "the optimizer steps whole parameters: with "
                                                     "ZeRO it steps only this rank's slices")
         if any(g is None for g in got):
@@ -351,6 +394,14 @@ def _check_stage(stage: str, stage_class):
             return mistake("params_not_sharded", f"{kib(most['params'])} of whole parameters stayed "
                                                  "allocated: free every parameter in setup, after "
                                                  "taking its slice")
+        kept = max(run.kept_after_setup for run in runs)
+        if kept:
+            return mistake("params_not_sharded", f"right after setup the whole parameters still held "
+                                                 f"{kib(kept)} on a rank: ZeRO-3 keeps only the slices "
+                                                 "between uses, so free every parameter in setup, after "
+                                                 "taking its slice (a forward hook that frees it later "
+                                                 "leaves it whole until then)",
+                           "in setup(): free_storage(p) for each parameter once self.shards holds its slice")
         if now.get("unsharded_params", 0):
             return mistake("not_freed_after_backward",
                            f"{kib(now['unsharded_params'])} of gathered parameters were still alive "
