@@ -237,6 +237,15 @@ def test_failing_ranks_and_hangs_become_verdicts():
     assert hang.mistake == "hang" and "rank 1: all_gather #2 (32 B)" in hang.message
 
 
+def test_error_line_leaves_out_the_failing_rank_and_gloo_s_addresses():
+    shard = LaunchError("rank 2 raised ValueError: bad shard\n--- traceback ---\nx", rank=2, traceback="x")
+    assert checking.error_line(shard) == "ValueError: bad shard"
+    closed = LaunchError("rank 1 raised RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                         "Connection closed by peer [127.0.0.1]:41577", rank=1, traceback="x")
+    assert checking.error_line(closed) == "RuntimeError: a collective failed: gloo lost its connection to another rank"
+    assert checking.error_line(KeyError("w1")) == "KeyError: 'w1'"
+
+
 # ----------------------------------------------------------------------------- files
 
 

@@ -304,7 +304,7 @@ def _from_error(error: BaseException, explain) -> _Outcome:
     text = f"{type(error).__name__}: {error}"
     if isinstance(error, LaunchError):
         text = f"{error}\n{error.traceback}"
-    summary = _last_error_line(error)
+    summary = error_line(error)
     if explain is not None:  # first: a library op may raise NotImplementedError, which is no stub
         known = explain(error, text)
         if known is not None:
@@ -322,12 +322,20 @@ def _from_error(error: BaseException, explain) -> _Outcome:
     return mistake("raised", f"{where} {summary}")
 
 
-def _last_error_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
     """The exception's one-line summary ("ValueError: ..."); for a failing rank, that of the
-    first rank that failed (the others usually fail as a consequence)."""
+    first rank that failed (the others usually fail as a consequence), without "rank N raised"
+    (which rank fails first can change from run to run). A gloo transport error, which names
+    addresses and ports, reads "<type>: a collective failed: gloo lost its connection to another
+    rank", so verdicts stay the same from run to run."""
     first = str(error).strip().splitlines()
     if isinstance(error, LaunchError):
         line = first[0] if first else "a rank failed"
         prefix = f"rank {error.rank} raised "
-        return line[len(prefix):] if line.startswith(prefix) else line
-    return f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
+        line = line[len(prefix):] if line.startswith(prefix) else line
+    else:
+        line = f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
+    if "gloo" in line or "Connection closed" in line:
+        kind = line.split(":", 1)[0] if ":" in line else "RuntimeError"
+        return f"{kind}: a collective failed: gloo lost its connection to another rank"
+    return line

@@ -18,7 +18,7 @@ import torch
 
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from fsdp_lab.workshop.measure import wire_bytes
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake,
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, error_line, is_placeholder, mistake,
                                         placeholder_left)
 
 WORLD = 4
@@ -67,10 +67,10 @@ def _other_world(answer, which: str):
     numel = SMALL_WORLD * SMALL_PER_RANK
     try:
         out = launch(_run, answer, which, SMALL_PER_RANK, world_size=SMALL_WORLD, timeout=CHECK_TIMEOUT)
-    except LaunchError as error:
-        what = f"rank {error.rank} raised {_error_line(error)}"
-    except LaunchTimeout:
+    except LaunchTimeout:  # a LaunchError too: caught first
         what = "the ranks hung in their collectives"
+    except LaunchError as error:
+        what = f"a rank raised {error_line(error)}"
     else:
         wrong = [rank for rank, o in enumerate(out) if not _same(o["result"], o["reference"])
                  or (which == "all_reduce" and not _same(o["t"], o["reference"]))]
@@ -89,13 +89,6 @@ def _other_world(answer, which: str):
                                        "the tensor and the world the function runs on, not from "
                                        f"this check's {WORLD} ranks",
                    "k = t.numel() // dist.get_world_size(): no fixed 4 (or 3) in the code")
-
-
-def _error_line(error: LaunchError) -> str:
-    """The failing rank's error in one line, without gloo's addresses."""
-    line = (str(error).strip().splitlines() or ["an error"])[0]
-    line = line.split(" raised ", 1)[1] if " raised " in line else line
-    return "an error in a collective" if "gloo" in line or "Connection" in line else line
 
 
 def _used(out) -> str:

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
-                                        wrong_collectives)
+from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, error_line, is_placeholder, mistake,
+                                        placeholder_left, wrong_collectives)
 
 REDUCE_WORLD = 2
 OTHER_WORLD = 3    # the second world size ``check_reduce_flat_grad`` runs a right answer on
@@ -184,38 +184,37 @@ def _other_flat_grad(rank: int) -> torch.Tensor:
 
 
 def _reduce_other_world(reduce_flat_grad):
-    """On each rank: ``reduce_flat_grad`` of this rank's made-up flat gradient; the result (a
-    copy) and the first line of what it raised ("" if nothing)."""
+    """On each rank: ``reduce_flat_grad`` of this rank's made-up flat gradient (a copy)."""
     import torch.distributed as dist
 
-    try:
-        result = reduce_flat_grad(_other_flat_grad(dist.get_rank()))
-    except Exception as error:  # noqa: BLE001 - reported as the answer's verdict
-        lines = str(error).strip().splitlines()
-        return {"result": None, "error": f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__}
-    return {"result": result.detach().clone() if isinstance(result, torch.Tensor) else result, "error": ""}
+    result = reduce_flat_grad(_other_flat_grad(dist.get_rank()))
+    return result.detach().clone() if isinstance(result, torch.Tensor) else result
 
 
 def _other_world_mistake(reduce_flat_grad):
     """None when ``reduce_flat_grad`` is right on ``OTHER_WORLD`` ranks too, else a mistake()."""
-    out = launch(_reduce_other_world, reduce_flat_grad, world_size=OTHER_WORLD, timeout=CHECK_TIMEOUT)
-    mean = sum(_other_flat_grad(r) for r in range(OTHER_WORLD)) / OTHER_WORLD
-    size = OTHER_NUMEL // OTHER_WORLD
-    for rank, o in enumerate(out):
-        want = mean[rank * size:(rank + 1) * size]
-        if o["error"]:
-            what = f"rank {rank} raised {o['error']}"
-        elif not isinstance(o["result"], torch.Tensor) or o["result"].shape != want.shape:
-            shape = tuple(o["result"].shape) if isinstance(o["result"], torch.Tensor) else type(o["result"]).__name__
-            what = f"rank {rank} returned {shape} for a {OTHER_NUMEL}-element flat gradient (a shard: ({size},))"
-        elif not _close(o["result"], want):
-            what = f"rank {rank}'s shard is not the average over the {OTHER_WORLD} ranks"
-        else:
-            continue
+    def fixed_world(what: str):
         return mistake("fixed_world", f"on {REDUCE_WORLD} ranks the shard is right, but on {OTHER_WORLD} ranks "
                                       f"{what}; the answer must hold for any world size",
                        "read the world size with dist.get_world_size(): a shard of flat_grad.numel() // world "
                        "elements, divided by world")
+
+    try:
+        out = launch(_reduce_other_world, reduce_flat_grad, world_size=OTHER_WORLD, timeout=CHECK_TIMEOUT)
+    except LaunchTimeout:
+        raise  # the checker's own verdict for a hang
+    except LaunchError as error:
+        return fixed_world(f"a rank raised {error_line(error)}")
+    mean = sum(_other_flat_grad(r) for r in range(OTHER_WORLD)) / OTHER_WORLD
+    size = OTHER_NUMEL // OTHER_WORLD
+    for rank, result in enumerate(out):
+        want = mean[rank * size:(rank + 1) * size]
+        if not isinstance(result, torch.Tensor) or result.shape != want.shape:
+            shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            return fixed_world(f"rank {rank} returned {shape} for a {OTHER_NUMEL}-element flat gradient "
+                               f"(a shard: ({size},))")
+        if not _close(result, want):
+            return fixed_world(f"rank {rank}'s shard is not the average over the {OTHER_WORLD} ranks")
     return None
 
 

@@ -19,13 +19,11 @@ so the notebook calls every helper as ``lab06.<name>``.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
-                                        collective_calls)
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, collective_calls, correct, error_line, is_placeholder,
+                                        mistake, placeholder_left)
 from fsdp_lab.workshop.lab06_figures import (DTYPE_COLORS, MEMORY_COLUMNS, draw_gradient_life, draw_policy_run,
                                              dtype_name, plot_optim_mode_bug, plot_policies, print_optim_mode_bug,
                                              print_policy_losses, print_policy_memory, print_policy_ratios)
@@ -81,11 +79,8 @@ def _other_world(reduce_grad_shard):
     except LaunchTimeout:
         raise  # the checker's own verdict for a hang
     except LaunchError as error:
-        first = str(error).strip().splitlines()
-        # without "rank N raised": which rank fails first changes from run to run
-        summary = re.sub(r"^rank \d+ raised ", "", first[0]) if first else "a rank failed"
         return mistake("fixed_world", f"on {WORLD} ranks your shards are right, but {where} your code raised "
-                                      f"{summary}: it assumes {WORLD} ranks somewhere", hint=hint)
+                                      f"{error_line(error)}: it assumes {WORLD} ranks somewhere", hint=hint)
     mean = torch.stack([rank_gradient(r) for r in range(OTHER_WORLD)]).mean(0).chunk(OTHER_WORLD)
     ratio = OTHER_WORLD / WORLD
     for wire, atol in (("float32", 1e-6), ("bfloat16", 3e-2)):
