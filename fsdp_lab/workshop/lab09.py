@@ -134,10 +134,12 @@ def check_next_microbatch(next_microbatch):
         return mistake("never_returns", f"batch {b}, failed microbatch {f}, min {m}: no answer within "
                                         f"{ANSWER_SECONDS:g} s; a loop whose size never changes runs forever "
                                         "(lower the size on every pass)")
-    wrong = [(case, answers[case], _reference(*case)) for case in cases if answers[case] != _reference(*case)]
+    wants = {case: _reference(*case) for case in cases}
+    wrong = [(case, answers[case], wants[case]) for case in cases if answers[case] != wants[case]]
     if wrong:
         (b, f, m), got, want = wrong[0]
-        if all(answers[(b_, f_, m_)] == _reference(f_, f_, m_) for b_, f_, m_ in cases):
+        # the same step-down, but over the divisors of the failed size instead of the batch's
+        if all(answer == _reference(failed, failed, least) for (_, failed, least), answer in answers.items()):
             return mistake("divides_failed", f"batch {b}, failed microbatch {f}, min {m}: got {got}, a divisor "
                                              f"of the failed size {f}; a microbatch must divide the batch {b} "
                                              f"(want {want})")
