@@ -38,6 +38,12 @@ class TorchDistributedDDP(zero.DataParallel):
             p.grad /= dist.get_world_size()
 
 
+class AfterStepDDP(zero.DataParallel):
+    def after_step(self):
+        for p in self.params:                           # the step already ran, and zero_grad
+            collectives.all_reduce(p.grad, op="avg")    # set every .grad to None
+
+
 class UngatheredZeRO1(zero.ZeRO1):
     def after_step(self):
         pass                                            # slices never gathered back
@@ -173,7 +179,8 @@ class WholeOptimizerZeRO3(zero.ZeRO3):
 
 LAB03 = Shipped("03_zero_by_hand")
 STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced",
-                                              TorchDistributedDDP: "no_collective"}),
+                                              TorchDistributedDDP: "no_collective",
+                                              AfterStepDDP: "reduced_after_step"}),
           "ZeRO1": (lab03.check_zero1, zero.ZeRO1, {UngatheredZeRO1: "not_gathered",
                                                     AllReduceZeRO1: "wire_bytes",
                                                     OtherSliceZeRO1: "wrong_shard",

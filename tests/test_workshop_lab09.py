@@ -46,6 +46,12 @@ def any_rank_done(oom, not_done):
     return int(t[0]), int(t[1])
 
 
+def min_flags(oom, not_done):
+    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    collectives.all_reduce(t, op="min")  # 1 only where every rank has the flag
+    return int(t[0]), 1 - int(t[1])
+
+
 def own_done(oom, not_done):
     t = torch.tensor([oom], dtype=torch.int32)
     collectives.all_reduce(t, op="max")  # only oom is shared
@@ -81,6 +87,7 @@ def test_agreement_checker():
     assert lab09.check_agreement(local_flags).mistake == "local"
     assert lab09.check_agreement(any_rank_done).mistake == "any_done"
     assert lab09.check_agreement(own_done).mistake == "local_done"
+    assert lab09.check_agreement(min_flags).mistake == "min"
     assert lab09.check_agreement(torch_distributed_max).solved
     assert lab09.check_agreement(torch_distributed_max_then_min).mistake == "two_all_reduces"
 

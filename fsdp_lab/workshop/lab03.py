@@ -223,12 +223,17 @@ def kib(nbytes: float) -> str:
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line \d+, in (?P<func>\S+)\s*$', re.MULTILINE)
 
 
+def _frames(text: str) -> list[tuple[str, str]]:
+    """(file, function) of every frame of the tracebacks in ``text``, outermost first."""
+    return [(m["file"], m["func"]) for m in _FRAME.finditer(text)]
+
+
 def _phase(text: str) -> str:
     """Where a rank's error was raised, read from the frames of its traceback below
     ``train_on_rank``: "setup" (the stage's construction), "backward" (inside autograd's
     backward: ``loss.backward()`` and the hooks it runs), "forward" (elsewhere in a training
     step) or "" (no traceback, or raised elsewhere, e.g. while reading the parameters back)."""
-    frames = [(m["file"], m["func"]) for m in _FRAME.finditer(text)]
+    frames = _frames(text)
     below = [i for i, (_, func) in enumerate(frames) if func == "train_on_rank"]
     if not below or below[-1] + 1 >= len(frames):
         return ""
@@ -275,6 +280,12 @@ def _explain(error: BaseException, text: str):
         return mistake("used_freed_parameter", "a parameter was used while its storage was freed: "
                                                "gather a unit's parameters before its forward")
     if "'NoneType' object has no attribute" in text and "grad" in text:
+        if any(func == "after_step" for _, func in _frames(text)):
+            return mistake("reduced_after_step",
+                           "a .grad was None in after_step: it runs after the optimizer step and "
+                           "optimizer.zero_grad(set_to_none=True), so no gradient is left there to "
+                           "reduce", "reduce the gradients in after_backward, before the optimizer "
+                                     "steps with them")
         return mistake("grad_is_none", "a .grad was None where the code read it: a hook or an "
                                        "earlier loop had already dropped it (p.grad = None), or "
                                        "it was read before backward produced it")

@@ -108,6 +108,11 @@ def _classify_wrong(wrong):
         return mistake("any_done", f"{where}: the second value is 1 as soon as any rank is done (MAX of "
                                    "'done'); a rank may leave only when every rank is done: MIN(done), "
                                    f"which is 1 - MAX(not done) (want {want})")
+    # MIN, or an AVG of 0/1 flags read back as ints, is 1 only where every rank has the flag
+    if all(g == (min(oom for oom, _ in c), 1 - min(not_done for _, not_done in c)) for c, _, g, _ in wrong):
+        return mistake("min", f"{where}: each value is 1 only when every rank's flag is set (a MIN, or "
+                              "an average rounded down); one rank that ran out must make all retry, "
+                              f"and one rank still inside the batch keeps all in the loop: op='max' (want {want})")
     return mistake("wrong", f"{where}, want {want}")
 
 
