@@ -195,14 +195,18 @@ def check_pytest_xdist() -> Check:
 
 def check_cpp_toolchain() -> Check:
     """A C++ compiler and ninja, which ``MemoryTracker(source="allocator")`` builds its allocation
-    log with at first use. Optional: the default tracker needs neither."""
+    log with at first use; the compiler alone is what lab 08's two ``torch.compile`` cells need
+    (inductor writes C++ on CPU). Optional: the default tracker needs neither, and ``pytest
+    --nbval`` skips those cells without a compiler."""
     from fsdp_lab.memory.allocation_log import toolchain_missing
     missing = toolchain_missing()
     if missing is None:
-        return Check("C++ toolchain", "OK", "compiler and ninja found (MemoryTracker(source='allocator'))")
+        return Check("C++ toolchain", "OK", "compiler and ninja found (MemoryTracker(source='allocator'), "
+                                            "torch.compile on CPU in lab 08)")
     return Check("C++ toolchain", "WARN", f"missing {missing}",
-                 "needed only for MemoryTracker(source='allocator') and its tests, which are skipped "
-                 "without it; the default source='dispatch' needs no compiler")
+                 "needed only for MemoryTracker(source='allocator') and its tests, and (the compiler) for "
+                 "lab 08's two torch.compile cells; all are skipped under pytest without it, and the "
+                 "default source='dispatch' needs no compiler")
 
 
 def labextension_dirs() -> list[pathlib.Path]:

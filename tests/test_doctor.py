@@ -128,6 +128,7 @@ def test_missing_cpp_toolchain_only_warns_and_names_the_default_source(monkeypat
     line = line_of(out, "C++ toolchain")
     assert code == 0 and line.startswith("WARN")
     assert "'no-such-c++' is not on PATH" in line and "source='dispatch'" in line
+    assert "lab 08's two torch.compile cells" in line
 
 
 def test_widgets_extension_missing_from_jupyterlab_paths(monkeypatch, tmp_path):

@@ -1,5 +1,6 @@
 """fsdp_lab.workshop.nbval_plugin: the labs under nbval from any directory, a lab's kernel that
-dies before replying started again, and one OpenMP thread for the kernels nbval starts.
+dies before replying started again, one OpenMP thread for the kernels nbval starts, and the cells
+that run torch.compile skipped where no C++ compiler is found.
 
 End to end: a one-cell notebook from inside ``labs/`` with the test command's options; and nbval
 on a one-cell notebook whose kernel's first start exits at once (a kernelspec made here), with the
@@ -40,12 +41,16 @@ DIES_ONCE = textwrap.dedent("""
 """)
 
 
-def one_cell_notebook(path: pathlib.Path, source: str, printed: str) -> pathlib.Path:
-    """Write at ``path`` a notebook of one code cell, ``source``, saved as having printed ``printed``."""
+def one_cell_notebook(path: pathlib.Path, source: str, printed: str, *more) -> pathlib.Path:
+    """Write at ``path`` a notebook of one code cell, ``source``, saved as having printed ``printed``;
+    ``more``: further cells as (source, printed, tags)."""
     notebook = nbformat.v4.new_notebook()
-    cell = nbformat.v4.new_code_cell(source, execution_count=1)
-    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed)]
-    notebook.cells = [cell]
+    for count, (text, out, tags) in enumerate([(source, printed, []), *more], start=1):
+        cell = nbformat.v4.new_code_cell(text, execution_count=count)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=out)]
+        if tags:
+            cell.metadata["tags"] = tags
+        notebook.cells.append(cell)
     nbformat.write(notebook, path)
     return path
 
@@ -150,6 +155,40 @@ def test_only_deaths_at_start_are_retried_and_not_for_ever():
     with pytest.raises(RuntimeError, match="respond"):
         nbval_plugin.retrying(start)()
     assert len(calls) == 1
+
+
+def test_a_compiling_cell_is_skipped_without_a_compiler_and_the_rest_runs(tmp_path):
+    compiling = ("import torch\nprint(torch.compile(lambda x: x + 1)(torch.ones(1)).item())", "2.0\n",
+                 [nbval_plugin.NEEDS_COMPILER])
+    one_cell_notebook(tmp_path / "compiles.ipynb", "print(1 + 1)", "2\n", compiling)
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-p", PLUGIN,
+               "--nbval", "--nbval-current-env", "compiles.ipynb"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=dict(env_with_repo(), CXX="no-such-c++"))  # what inductor calls
+    assert run.returncode == 0 and "1 passed, 1 skipped" in run.stdout, run.stdout[-3000:]
+    assert "no compiler was found ('no-such-c++' on PATH): install g++ or clang" in run.stdout
+
+
+def test_compiling_cells_are_skipped_only_where_the_compiler_is_missing(monkeypatch):
+    from torch._inductor import config
+
+    class Cell:  # what the hook reads of an nbval item, and the marks it adds
+        def __init__(self, tags):
+            self.cell, self.marks = {"metadata": {"tags": tags}}, []
+
+        def add_marker(self, mark):
+            self.marks.append(mark)
+
+    items = [Cell([nbval_plugin.NEEDS_COMPILER, "nbval-ignore-output"]), Cell(["nbval-ignore-output"]), Cell([])]
+    monkeypatch.setattr(config.cpp, "cxx", (None, "found-c++"))
+    monkeypatch.setattr(nbval_plugin.shutil, "which", lambda name: "/bin/" + name if name == "found-c++" else None)
+    assert nbval_plugin.missing_cpp_compiler() is None
+    nbval_plugin.pytest_collection_modifyitems(None, items)
+    assert [len(item.marks) for item in items] == [0, 0, 0]
+    monkeypatch.setattr(config.cpp, "cxx", (None, "lost-c++"))
+    nbval_plugin.pytest_collection_modifyitems(None, items)
+    assert [len(item.marks) for item in items] == [1, 0, 0]
+    assert items[0].marks[0].name == "skip" and "'lost-c++'" in items[0].marks[0].kwargs["reason"]
 
 
 def test_the_test_command_loads_the_plugin():

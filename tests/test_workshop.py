@@ -157,6 +157,19 @@ def test_at_least_three_quarters_of_code_cells_are_compared(lab):
         assert len(ignored) <= len(cells) / 4, f"{path.name}: {len(ignored)} of {len(cells)} ignored"
 
 
+def test_every_cell_that_compiles_is_tagged_for_machines_without_a_compiler():
+    """The nbval plugin skips a ``needs-cpp-compiler`` cell where torch.compile cannot build C++;
+    an untagged cell that compiles would fail ``pytest --nbval`` on such a machine."""
+    from fsdp_lab.workshop.nbval_plugin import NEEDS_COMPILER
+    compiling = 0
+    for path in sorted(LABS.glob("[0-9][0-9]_*.ipynb")) + sorted(LABS.glob("solutions/[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code" and "torch.compile(" in "".join(cell["source"]):
+                compiling += 1
+                assert NEEDS_COMPILER in cell["metadata"].get("tags", []), f"{path.name}: untagged torch.compile"
+    assert compiling >= 2  # lab 08's, in both copies
+
+
 @pytest.mark.parametrize("notebook", sorted(LABS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
 def test_the_first_cell_starts_the_fork_server_after_importing_fsdp_lab(notebook):
     """docs/workshop.md: the server that forks the ranks loads torch while the first cells run."""

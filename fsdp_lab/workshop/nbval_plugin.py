@@ -2,7 +2,7 @@
 
 pyproject's ``addopts`` names it (``-p fsdp_lab.workshop.nbval_plugin``), so it is active in
 every pytest run under the repository, ``pytest --nbval labs/`` included, and nowhere else.
-It does three things nbval does not:
+It does four things nbval does not:
 
 * **The sanitize file is found from any directory.** ``addopts`` names it relative to the
   repository root (``labs/nbval_sanitize.cfg``), and nbval opens it relative to the current
@@ -24,6 +24,11 @@ It does three things nbval does not:
   second OpenMP thread makes the small operations of the labs' models wait at every parallel
   region for a thread that is not running (one lab cell took 131 s instead of 10 s with two
   workers on 2 cores); on idle cores it did not make a training step of the "cpu" Llama faster.
+* **A cell tagged ``needs-cpp-compiler`` is skipped where there is no C++ compiler.** Such a
+  cell runs ``torch.compile``, whose CPU backend (inductor) writes C++ and builds it with the
+  compiler ``torch._inductor.config.cpp.cxx`` names (``$CXX``, else ``g++``; ``clang++`` on
+  macOS). Without one the cell cannot run on that machine whatever the lab does, so it is
+  reported as skipped, with the reason and the fix, instead of failing.
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import shutil
 
 ATTEMPTS = 3
 DIED = "Kernel died before replying to kernel_info"  # jupyter_client's message for that case
+NEEDS_COMPILER = "needs-cpp-compiler"  # the tag of a lab cell that runs torch.compile
 
 
 def retrying(start_new_kernel):
@@ -76,3 +83,34 @@ def pytest_configure(config) -> None:
     config.option.nbval_sanitize_with = from_root(config.option.nbval_sanitize_with, config.rootpath)
     if not getattr(nbval.kernel.start_new_kernel, "retries_kernel_deaths", False):
         nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
+
+
+def missing_cpp_compiler() -> str | None:
+    """None when a C++ compiler that ``torch.compile``'s CPU backend would call is on PATH
+    (``torch._inductor.config.cpp.cxx``), else a sentence naming what was looked for and the fix."""
+    from torch._inductor import config
+    names = [name for name in config.cpp.cxx if name]
+    if any(shutil.which(name) for name in names):
+        return None
+    looked_for = " or ".join(repr(name) for name in names)
+    return (f"torch.compile on CPU writes C++ and no compiler was found ({looked_for} on PATH): "
+            "install g++ or clang, or set CXX to one")
+
+
+def cell_tags(item) -> list[str]:
+    """The metadata tags of the notebook cell behind a collected nbval item ([] for other items)."""
+    cell = getattr(item, "cell", None)
+    return list(cell.get("metadata", {}).get("tags", [])) if isinstance(cell, dict) else []
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the cells tagged ``NEEDS_COMPILER`` skipped when ``missing_cpp_compiler()`` finds
+    no compiler, with its sentence as the reason; the compiler is looked up only when such a
+    cell was collected."""
+    tagged = [item for item in items if NEEDS_COMPILER in cell_tags(item)]
+    missing = missing_cpp_compiler() if tagged else None
+    if missing is None:
+        return
+    import pytest
+    for item in tagged:
+        item.add_marker(pytest.mark.skip(reason=f"this cell runs torch.compile; {missing}"))

@@ -147,10 +147,12 @@ CELLS = [
 
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
     the 16-entry code book, multiply by its block's absmax, cast. Element by element that is several kernels
-    and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too (inductor writes C++),
-    bit for bit the same values. The cell below prints the ratios `benchmarks/nf4_compile.py` recorded; the
-    next times this lab's weight (not compared). The eager gather form `fsdp_lab` uses (one lookup, one
-    multiply) needs no compiler; both cells give its time as a multiple of the compiled one's.
+    and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too (inductor writes C++, so
+    these two cells need a C++ compiler: `fsdp-lab doctor` says whether there is one, and `pytest --nbval`
+    skips them without one), bit for bit the same values. The cell below prints the ratios
+    `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). The eager gather
+    form `fsdp_lab` uses (one lookup, one multiply) needs no compiler; both cells give its time as a
+    multiple of the compiled one's.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
@@ -161,13 +163,13 @@ CELLS = [
     compiled_out = compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)      # the first call compiles
     print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
     lab08.print_recorded_compile_ratios(files.labs.parent / "benchmarks/results/nf4_compile_cpu.json", w.shape)
-    """),
+    """, tags=["needs-cpp-compiler"]),
     code("""
     lab08.print_shortest_times({     # the last one is the reference of the ratios
         "eager (gather form)": lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16),
         "eager (element-wise form)": lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16),
         "compiled": lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)})
-    """, tags=["nbval-ignore-output"]),
+    """, tags=["nbval-ignore-output", "needs-cpp-compiler"]),
     md("""
     ## 5. What a tensor subclass sees
 
