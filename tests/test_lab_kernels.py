@@ -3,8 +3,10 @@
 bf16 matrix products run on oneDNN's AMX or AVX-512 BF16 kernels where the CPU has them and on
 PyTorch's own elsewhere, and the three round differently (README, "Which CPU"). This re-runs the
 labs that train in bf16 under nbval with other kernels than this machine's defaults: PyTorch's
-generic code path (``ATEN_CPU_CAPABILITY=default``) and oneDNN limited to AVX2. Their saved
-outputs, recorded with the defaults of the machine that built them, must still compare equal.
+generic code path (``ATEN_CPU_CAPABILITY=default``), oneDNN limited to AVX2, and MKL's float32
+products on its compatible code path (``MKL_CBWR=COMPATIBLE``, which changes their last bits
+here). Their saved outputs, recorded with the defaults of the machine that built them, must still
+compare equal.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ BF16_LABS = ("labs/04_fsdp1_flat_parameters.ipynb", "labs/06_mixed_precision.ipy
 
 def test_bf16_labs_compare_equal_with_other_cpu_kernels():
     pytest.importorskip("nbval")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", ONEDNN_MAX_CPU_ISA="AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", ONEDNN_MAX_CPU_ISA="AVX2", MKL_CBWR="COMPATIBLE")
     env.pop("PYTEST_ADDOPTS", None)
     # one pytest per lab, side by side: each spends much of its time waiting on its ranks
     runs = {lab: subprocess.Popen([sys.executable, "-m", "pytest", "--nbval", "-q", "-p", "no:cacheprovider", lab],
