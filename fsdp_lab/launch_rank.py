@@ -12,7 +12,8 @@ module, so the caller may be a notebook, ``python -`` or a script without a
    by line through the message pipe (fds 1 and 2 are pipes the parent reads too: C++ libraries
    and child processes write there, and each message waits until the parent has read what was
    written there before it, so the parent sees both in the order they were written);
-2. set the rank's environment (RANK, WORLD_SIZE, LOCAL_RANK, its device, its threads);
+2. set the rank's environment (RANK, WORLD_SIZE, LOCAL_RANK, its device, its threads, and gloo's
+   network interface: loopback, unless the caller set ``GLOO_SOCKET_IFNAME``);
 3. read the caller's ``sys.path``, ``sys.argv`` and the pickled call from the call file,
    unpickle (modules are imported by name here), initialise the default process group on
    the launch's TCPStore;
@@ -37,6 +38,7 @@ import os
 import pickle
 import select
 import signal
+import socket
 import struct
 import sys
 import termios
@@ -99,6 +101,13 @@ def main(spec: dict) -> None:
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ[fdist.DEVICE_ENV] = device
     os.environ[fdist.IN_LAUNCH_ENV] = "1"
+    # Every rank of a launch runs on this machine, so gloo binds to the loopback interface. Left
+    # to itself it binds to what the host name resolves to: on a machine where that does not
+    # resolve, gloo prints a warning into every cell that launches, and a network address goes
+    # away with the network. A value the caller set is kept.
+    loopback = loopback_interface()
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     torch.set_num_threads(rank_threads(world_size, os.environ))
     try:
         with mmap.mmap(spec["call_fd"], spec["call_bytes"], access=mmap.ACCESS_READ) as call_file:
@@ -144,6 +153,16 @@ def main(spec: dict) -> None:
     # registered with atexit) and leave.
     atexit._run_exitfuncs()
     os._exit(0)
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS),
+    or None when the system lists neither."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 def rank_threads(world_size: int, env) -> int:

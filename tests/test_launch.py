@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lab import collectives
+from fsdp_lab import collectives, launch_rank
 from fsdp_lab.dist import comm_needs_host_staging, current_device, init_distributed, is_simulated
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from _launch_helpers import REPO, alive, env_with_repo
@@ -61,6 +62,7 @@ def _report(tag):
         "simulated": is_simulated(),
         "threads": torch.get_num_threads(),
         "pid": os.getpid(),
+        "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
     }
 
 
@@ -110,6 +112,21 @@ def test_cpu_ranks_get_gloo_and_a_share_of_the_cores(runs):
         assert (r["backend"], r["device"]) == ("gloo", "cpu")
         assert not r["staging"] and not r["simulated"]
         assert r["threads"] == max(1, os.cpu_count() // 2)
+
+
+def test_gloo_binds_to_loopback_whatever_the_host_name_resolves_to(runs):
+    # where the host name does not resolve, gloo otherwise prints a warning at every launch
+    names = [name for _, name in socket.if_nameindex()]
+    want = "lo" if "lo" in names else "lo0"
+    assert want in names and launch_rank.loopback_interface() == want
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        assert {r["gloo_interface"] for r in runs["single"][0]} == {want}
+
+
+def test_a_gloo_interface_the_caller_set_is_kept(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # gloo must use it, and fails
+    with pytest.raises(LaunchError, match="Unable to find address for: no-such-interface"):
+        launch(os.getpid, world_size=1, timeout=120)
 
 
 def test_a_set_omp_num_threads_caps_a_rank_s_threads(runs):
