@@ -24,6 +24,8 @@ from typing import Callable, Iterator
 
 MIN_PYTHON = (3, 11)  # pyproject.toml's requires-python (the lab extra's transformers needs it)
 MIN_TORCH = (2, 6)
+LAB_TORCH = (2, 13, 0)  # the release the labs' compared outputs are recorded with (README, "Which torch")
+LAB_TORCH_ALSO = ((2, 14, 1), (2, 15, 0))  # releases the recorded outputs were checked to hold with
 MIN_JUPYTERLAB = (4,)
 MIN_IPYWIDGETS = (8,)
 WIDGETS_EXTENSION = "@jupyter-widgets/jupyterlab-manager"
@@ -87,7 +89,9 @@ def check_python(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> Chec
 
 
 def check_torch() -> Check:
-    """torch must import and be at least MIN_TORCH; the line names its build (CPU, CUDA, ROCm)."""
+    """torch must import and be at least MIN_TORCH; the line names its build (CPU, CUDA, ROCm).
+    A release the labs' outputs were not checked with (``LAB_TORCH``, ``LAB_TORCH_ALSO``) is a
+    WARN: the package works, but ``pytest --nbval labs/`` may report a loss or a byte count."""
     try:
         torch = importlib.import_module("torch")
     except ImportError as error:
@@ -101,6 +105,14 @@ def check_torch() -> Check:
     if parse_version(version)[:2] < MIN_TORCH:
         return Check("torch", "FAIL", f"{version} ({build}) is older than {_as_text(MIN_TORCH)}",
                      f"pip install --upgrade 'torch>={_as_text(MIN_TORCH)}'")
+    if parse_version(version)[:3] not in (LAB_TORCH, *LAB_TORCH_ALSO):
+        also = " and ".join(map(_as_text, LAB_TORCH_ALSO))
+        return Check("torch", "WARN",
+                     f"{version} ({build}): the labs' compared outputs are recorded with "
+                     f"{_as_text(LAB_TORCH)} (and held with {also}); with this release a loss or a "
+                     "byte count can differ, and `pytest --nbval labs/` then reports the cell",
+                     f"for a workshop: pip install torch=={_as_text(LAB_TORCH)}  (CPU only: add "
+                     "--index-url https://download.pytorch.org/whl/cpu)")
     return Check("torch", "OK", f"{version} ({build})")
 
 

@@ -166,6 +166,31 @@ def test_old_torch_fails(monkeypatch):
     assert "torch>=2.6" in check.fix
 
 
+@pytest.mark.parametrize("version, status", [
+    ("2.13.0+cpu", "OK"), ("2.13.0+cu128", "OK"), ("2.14.1", "OK"), ("2.15.0+cpu", "OK"),
+    ("2.12.0+cpu", "WARN"), ("2.13.1", "WARN"), ("2.16.0", "WARN"), ("2.6.0", "WARN"),
+])
+def test_a_torch_the_labs_were_not_checked_with_warns_and_names_the_pin(monkeypatch, version, status):
+    monkeypatch.setattr(torch, "__version__", version)
+    check = doctor.check_torch()
+    assert check.status == status, check
+    if status == "WARN":
+        assert version in check.detail and "recorded with 2.13.0" in check.detail
+        assert "pip install torch==2.13.0" in check.fix
+
+
+def test_the_labs_torch_is_the_one_ci_installs_and_the_readme_names():
+    import pathlib
+    import re
+
+    repo = pathlib.Path(__file__).parents[1]
+    pinned = re.findall(r"pip install --quiet torch==([\d.]+)", (repo / ".ci" / "run").read_text())
+    assert pinned == [".".join(map(str, doctor.LAB_TORCH))]
+    readme = (repo / "README.md").read_text()
+    assert f"**Which torch a workshop uses: {pinned[0]}.**" in readme
+    assert all(".".join(map(str, v)) in readme for v in doctor.LAB_TORCH_ALSO)
+
+
 def test_cuda_build_without_a_visible_gpu_warns(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
