@@ -38,6 +38,8 @@ import os
 import pathlib
 import shutil
 
+import pytest
+
 ATTEMPTS = 3
 DIED = "Kernel died before replying to kernel_info"  # jupyter_client's message for that case
 NEEDS_COMPILER = "needs-cpp-compiler"  # the tag of a lab cell that runs torch.compile
@@ -111,6 +113,5 @@ def pytest_collection_modifyitems(config, items) -> None:
     missing = missing_cpp_compiler() if tagged else None
     if missing is None:
         return
-    import pytest
     for item in tagged:
         item.add_marker(pytest.mark.skip(reason=f"this cell runs torch.compile; {missing}"))
