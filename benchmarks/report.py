@@ -72,7 +72,7 @@ def script_for(result: pathlib.Path) -> pathlib.Path | None:
 def _summary(script: pathlib.Path | None) -> str:
     if script is None:
         return "(no benchmark script of this name)"
-    text = script.read_text()
+    text = script.read_text(encoding="utf-8")
     for quote in ('"""', "'''"):
         if quote in text:
             doc = text.split(quote)[1].strip()
@@ -96,7 +96,7 @@ def gpu_context(result: pathlib.Path, data: dict) -> str | None:
 
 def section(result: pathlib.Path) -> str:
     """The Markdown section for one results file."""
-    data = json.loads(result.read_text())
+    data = json.loads(result.read_text(encoding="utf-8"))
     flat = flatten(data)
     script = script_for(result)
     lines = [f"## {result.stem}", "", _summary(script), ""]
@@ -195,12 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        current = DOC.read_text() if DOC.exists() else ""
+        current = DOC.read_text(encoding="utf-8") if DOC.exists() else ""
         if current != text:
             print(f"{DOC} is out of date: run python benchmarks/report.py", file=sys.stderr)
             return 1
         return 0
-    DOC.write_text(text)
+    DOC.write_text(text, encoding="utf-8")
     print(f"wrote {DOC} ({len(text.splitlines())} lines)")
     return 0
 

@@ -131,7 +131,8 @@ def run_pytest(paths: list[str], timeout: float, log: Path | None = None, condit
                    f"--junitxml={report}", *paths]
         start = time.monotonic()
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                                   stderr=subprocess.STDOUT, encoding="utf-8", errors="replace",
+                                   start_new_session=True)
         try:
             output, _ = process.communicate(timeout=timeout)
         except BaseException:  # Ctrl-C or the timeout: nothing of this run may survive it
@@ -141,7 +142,7 @@ def run_pytest(paths: list[str], timeout: float, log: Path | None = None, condit
         counts = _junit_counts(report) if report.exists() else None
     if log is not None and process.returncode != 0:
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(output)
+        log.write_text(output, encoding="utf-8")
     if counts is None:  # pytest ended before writing a report (crash)
         counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": [],
                   "notebook_seconds": {}}

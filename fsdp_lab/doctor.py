@@ -253,7 +253,7 @@ def check_widgets_extension() -> Check:
         package = folder / WIDGETS_EXTENSION / "package.json"
         if package.is_file():
             try:
-                version = json.loads(package.read_text()).get("version", "?")
+                version = json.loads(package.read_text(encoding="utf-8")).get("version", "?")
             except (OSError, ValueError):
                 version = "unreadable package.json"
             if WIDGETS_EXTENSION in disabled_labextensions():

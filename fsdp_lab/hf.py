@@ -155,7 +155,7 @@ def from_pretrained(directory: str | os.PathLike, model_class: Any = None, **kwa
         raise FileNotFoundError(
             f"{settings_file} not found: {directory} was not written by fsdp_lab.hf.save_pretrained(..., "
             f"nf4='packed'); load it with transformers' from_pretrained (and peft for adapters)")
-    settings = json.loads(settings_file.read_text())
+    settings = json.loads(settings_file.read_text(encoding="utf-8"))
     config = transformers.AutoConfig.from_pretrained(directory)
     model = (model_class or transformers.AutoModelForCausalLM).from_config(config, **kwargs)
     apply_lora(model, settings["target_modules"], rank=settings["rank"], alpha=settings["alpha"],

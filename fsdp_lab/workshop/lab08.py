@@ -269,7 +269,7 @@ def print_recorded_compile_ratios(path, lab_shape) -> None:
     if not os.path.exists(path):
         print(f"no recorded benchmark at {path}: run python benchmarks/nf4_compile.py in the repository")
         return
-    with open(path) as fh:
+    with open(path, encoding="utf-8") as fh:
         recorded = json.load(fh)
     shape = " x ".join(str(n) for n in recorded["shape"])
     print(f"recorded by benchmarks/nf4_compile.py on {recorded['device']}, a {shape} weight (this lab times "
@@ -360,7 +360,7 @@ def _print_recorded_runs(recorded) -> None:
         if not os.path.exists(path):
             print(f"  (no {kind} runs: {path} is missing; {command} writes it)")
             continue
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             saved = json.load(fh)
         for strategy in ("fsdp2", "fsdp1"):
             run = run_of(saved, strategy)
