@@ -166,6 +166,16 @@ def output_one_shard_long(module, args):
         setattr(module, name, gathered[:module.rows[name]])
 
 
+def stacked_output(module, args):
+    """All-gathers into (world, rows, ...), the form NCCL also takes: gloo refuses it."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world, *shard.shape)
+        collectives.all_gather_into_tensor(gathered, shard)
+        setattr(module, name, gathered.reshape(-1, *shard.shape[1:])[:module.rows[name]])
+
+
 def half_the_rows(module, args):
     """Keeps 4 of the 8 gathered rows (the weight has 7): the layer computes 4 outputs."""
     import torch.distributed as dist
@@ -191,7 +201,7 @@ def lab05_launch():
     solution = LAB05["pre_forward"][1]
     cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,), (all_reduced_pieces,),
              (gathered_around_collectives,), (one_gather_for_both,), (output_one_shard_long,),
-             (half_the_rows,), (last_rows,)]
+             (half_the_rows,), (last_rows,), (stacked_output,)]
     return SharedLaunch(lab05._hook_case, cases, world_size=lab05.HOOK_WORLD)
 
 
@@ -212,6 +222,7 @@ def test_pre_forward_verdicts(lab05_launch, monkeypatch):
     assert raised.mistake == "hook_raised" and "before setting module.weight" in raised.message
     assert lab05.check_pre_forward(half_the_rows).mistake == "wrong_rows"
     assert lab05.check_pre_forward(last_rows).mistake == "dropped_first_rows"
+    assert lab05.check_pre_forward(stacked_output).mistake == "stacked_output"
 
 
 def test_reference_shard_is_chunk_plus_zero_rows():

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -178,6 +179,10 @@ def _hook_case(pre_forward):
             "full": {n: p.detach().clone() for n, p in full.named_parameters()}}
 
 
+# gloo's error for an all-gather output of shape (world, *shard.shape): "expected (2, 5), got (1, 2, 5)"
+_STACKED = re.compile(r"expected \(([^)]*)\), got \(1, \1\)")
+
+
 @checker("pre_forward", hint="for each name, shard in module.shards.items(): gathered = "
                              "torch.empty(world * shard.shape[0], *shard.shape[1:]); "
                              "collectives.all_gather_into_tensor(gathered, shard); "
@@ -194,6 +199,11 @@ def check_pre_forward(pre_forward):
     raised = next((o["hook_error"] for o in out if o["hook_error"]), "")
     if "ellipsis" in raised.lower():
         return placeholder_left("pre_forward")
+    if _STACKED.search(raised):
+        return mistake("stacked_output", "the all-gather's output was shaped (world, rows, ...), the "
+                                         "stacked form: NCCL accepts it, gloo does not, and its first "
+                                         "rows are not the parameter's; make it the concatenation "
+                                         "(world * rows, ...), whose first module.rows[name] rows are")
     if raised:
         where = "before setting module.weight" if seen is None else "after setting module.weight"
         return mistake("hook_raised", f"{where}, the hook raised {raised}")
