@@ -206,19 +206,22 @@ def check_pytest_xdist() -> Check:
 
 
 def check_cpp_toolchain() -> Check:
-    """A C++ compiler and ninja, which ``MemoryTracker(source="allocator")`` builds its allocation
-    log with at first use; the compiler alone is what lab 08's two ``torch.compile`` cells need
-    (inductor writes C++ on CPU). Optional: the default tracker needs neither, and ``pytest
-    --nbval`` skips those cells without a compiler."""
-    from fsdp_lab.memory.allocation_log import toolchain_missing
-    missing = toolchain_missing()
-    if missing is None:
-        return Check("C++ toolchain", "OK", "compiler and ninja found (MemoryTracker(source='allocator'), "
-                                            "torch.compile on CPU in lab 08)")
-    return Check("C++ toolchain", "WARN", f"missing {missing}",
-                 "needed only for MemoryTracker(source='allocator') and its tests, and (the compiler) for "
-                 "lab 08's two torch.compile cells; all are skipped under pytest without it, and the "
-                 "default source='dispatch' needs no compiler")
+    """A C++ compiler, ninja and Python's headers, which ``MemoryTracker(source="allocator")``
+    builds its allocation log with at first use; the compiler and the headers are what lab 08's
+    two ``torch.compile`` cells need (inductor writes C++ on CPU). Optional: the default tracker
+    needs none of it, and ``pytest --nbval`` skips those cells without it."""
+    from fsdp_lab.toolchain import missing_for_extension, missing_for_torch_compile
+    for_extension, for_compile = missing_for_extension(), missing_for_torch_compile()
+    if for_extension is None and for_compile is None:
+        return Check("C++ toolchain", "OK", "compiler, ninja and Python's headers found "
+                                            "(MemoryTracker(source='allocator'), torch.compile on CPU in lab 08)")
+    missing = f"missing {for_extension}" if for_extension == for_compile else "; ".join(
+        f"{what}: missing {m}" for what, m in (("MemoryTracker(source='allocator')", for_extension),
+                                               ("torch.compile on CPU", for_compile)) if m)
+    return Check("C++ toolchain", "WARN", missing,
+                 "needed only for MemoryTracker(source='allocator') and its tests and for lab 08's two "
+                 "torch.compile cells; all are skipped under pytest without it, and the default "
+                 "source='dispatch' needs no compiler")
 
 
 def labextension_dirs() -> list[pathlib.Path]:

@@ -34,10 +34,10 @@ def test_allocator_phases_time_each_phase_of_one_tracked_step():
     """The phases come from consecutive clock readings (a scripted clock: 0, 1, 3, 6, ... gives
     laps 1, 2, 3, ...), the step runs inside the tracker, and the tracker is stopped at the end
     (another allocator tracker can start)."""
-    from fsdp_lab.memory import allocation_log
     from fsdp_lab.memory.tracker import MemoryTracker
-    if allocation_log.toolchain_missing():
-        pytest.skip(f"needs {allocation_log.toolchain_missing()}")
+    from fsdp_lab.toolchain import missing_for_extension
+    if missing_for_extension():
+        pytest.skip(f"needs {missing_for_extension()}")
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.weight.detach().clone()

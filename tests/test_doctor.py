@@ -131,6 +131,22 @@ def test_missing_cpp_toolchain_only_warns_and_names_the_default_source(monkeypat
     assert "lab 08's two torch.compile cells" in line
 
 
+def test_missing_python_headers_warn_once_for_both_builds(monkeypatch):
+    import torch.utils.cpp_extension
+
+    from fsdp_lab import toolchain
+    monkeypatch.setattr(toolchain, "compiler_missing", lambda names: None)
+    monkeypatch.setattr(torch.utils.cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(toolchain, "python_headers_missing", lambda: "Python's C headers (no Python.h in /x)")
+    check = doctor.check_cpp_toolchain()
+    assert (check.status, check.detail) == ("WARN", "missing Python's C headers (no Python.h in /x)")
+    monkeypatch.setattr(torch.utils.cpp_extension, "is_ninja_available", lambda: False)
+    check = doctor.check_cpp_toolchain()  # ninja is the extension's alone
+    assert check.detail == ("MemoryTracker(source='allocator'): missing ninja (`pip install ninja`) and Python's "
+                            "C headers (no Python.h in /x); torch.compile on CPU: missing Python's C headers "
+                            "(no Python.h in /x)")
+
+
 def test_widgets_extension_missing_from_jupyterlab_paths(monkeypatch, tmp_path):
     monkeypatch.setattr(doctor, "labextension_dirs", lambda: [tmp_path])
     check = doctor.check_widgets_extension()

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_lab.memory import tags
-from fsdp_lab.memory.allocation_log import toolchain_missing
+from fsdp_lab.toolchain import missing_for_extension
 from fsdp_lab.memory.tags import CATEGORIES
 from fsdp_lab.memory.tracker import MemoryResult, MemoryTracker, format_rows, merge_ranks
 
@@ -16,7 +16,7 @@ F32 = 4
 
 # Both ways of feeding the tracker must give these tests' numbers ("allocator" builds its C++
 # allocation log at first use: 40 s on 2 cores, once per machine; skipped without a compiler).
-MISSING_TOOLCHAIN = toolchain_missing()
+MISSING_TOOLCHAIN = missing_for_extension()
 ALLOCATOR = pytest.param("allocator", marks=pytest.mark.skipif(
     MISSING_TOOLCHAIN is not None, reason=f"MemoryTracker(source='allocator') needs {MISSING_TOOLCHAIN}"))
 SOURCES = pytest.mark.parametrize("source", ["dispatch", ALLOCATOR])

@@ -12,9 +12,10 @@ from torch._C._profiler import _EventType
 
 from fsdp_lab.memory import allocation_log
 from fsdp_lab.memory.tracker import MemoryTracker
+from fsdp_lab.toolchain import missing_for_extension
 from test_memory_tracker import _llama_step, _warmed_step
 
-_MISSING = allocation_log.toolchain_missing()
+_MISSING = missing_for_extension()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=f"MemoryTracker(source='allocator') needs {_MISSING}")
 
 

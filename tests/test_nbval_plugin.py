@@ -166,11 +166,11 @@ def test_a_compiling_cell_is_skipped_without_a_compiler_and_the_rest_runs(tmp_pa
     run = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env=dict(env_with_repo(), CXX="no-such-c++"))  # what inductor calls
     assert run.returncode == 0 and "1 passed, 1 skipped" in run.stdout, run.stdout[-3000:]
-    assert "no compiler was found ('no-such-c++' on PATH): install g++ or clang" in run.stdout
+    assert "which on CPU needs a C++ compiler ('no-such-c++' is not on PATH: install g++ or clang" in run.stdout
 
 
-def test_compiling_cells_are_skipped_only_where_the_compiler_is_missing(monkeypatch):
-    from torch._inductor import config
+def test_compiling_cells_are_skipped_only_where_something_is_missing(monkeypatch):
+    from fsdp_lab import toolchain
 
     class Cell:  # what the hook reads of an nbval item, and the marks it adds
         def __init__(self, tags):
@@ -180,15 +180,13 @@ def test_compiling_cells_are_skipped_only_where_the_compiler_is_missing(monkeypa
             self.marks.append(mark)
 
     items = [Cell([nbval_plugin.NEEDS_COMPILER, "nbval-ignore-output"]), Cell(["nbval-ignore-output"]), Cell([])]
-    monkeypatch.setattr(config.cpp, "cxx", (None, "found-c++"))
-    monkeypatch.setattr(nbval_plugin.shutil, "which", lambda name: "/bin/" + name if name == "found-c++" else None)
-    assert nbval_plugin.missing_cpp_compiler() is None
+    monkeypatch.setattr(toolchain, "missing_for_torch_compile", lambda: None)
     nbval_plugin.pytest_collection_modifyitems(None, items)
     assert [len(item.marks) for item in items] == [0, 0, 0]
-    monkeypatch.setattr(config.cpp, "cxx", (None, "lost-c++"))
+    monkeypatch.setattr(toolchain, "missing_for_torch_compile", lambda: "Python's C headers (no Python.h)")
     nbval_plugin.pytest_collection_modifyitems(None, items)
     assert [len(item.marks) for item in items] == [1, 0, 0]
-    assert items[0].marks[0].name == "skip" and "'lost-c++'" in items[0].marks[0].kwargs["reason"]
+    assert items[0].marks[0].name == "skip" and "needs Python's C headers" in items[0].marks[0].kwargs["reason"]
 
 
 def test_the_test_command_loads_the_plugin():

@@ -3,35 +3,17 @@ reports and books them as they come (``allocation_log.cpp`` says how).
 
 ``allocation_log.cpp`` is built once per machine by ``torch.utils.cpp_extension.load`` (40 s on
 a 2-core CPU; cached on disk by torch, under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``),
-then loaded in a second or two by each process that uses it. It needs a C++ compiler and ninja.
+then loaded in a second or two by each process that uses it. It needs a C++ compiler, ninja and
+Python's headers (``fsdp_lab.toolchain.missing_for_extension`` says which are missing).
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
 
 SOURCE = pathlib.Path(__file__).with_name("allocation_log.cpp")
 _NAME = "fsdp_lab_allocation_log"
 _loaded = None
-
-
-def toolchain_missing() -> str | None:
-    """None when the tools the build needs are found, else what is missing: the C++ compiler torch
-    calls (``$CXX``, else ``c++``) and ninja (the ``ninja`` pip package provides one)."""
-    missing = []
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        missing.append(f"a C++ compiler ({compiler!r} is not on PATH; install g++ or clang, or set CXX)")
-    try:
-        from torch.utils.cpp_extension import is_ninja_available
-        has_ninja = is_ninja_available()
-    except ImportError:
-        has_ninja = shutil.which("ninja") is not None
-    if not has_ninja:
-        missing.append("ninja (`pip install ninja`)")
-    return " and ".join(missing) or None
 
 
 def load():
@@ -51,8 +33,9 @@ def load():
             raise RuntimeError(
                 "MemoryTracker(source='allocator') compiles a small C++ extension at first use, and "
                 f"building it failed ({type(error).__name__}: {first_line}). Install a C++ compiler "
-                "(g++ or clang) and ninja (`pip install ninja`), or track with the default "
-                "source='dispatch', which needs no compiler") from error
+                "(g++ or clang), ninja (`pip install ninja`) and Python's headers (`fsdp-lab doctor` "
+                "says which are missing), or track with the default source='dispatch', which needs "
+                "no compiler") from error
     return _loaded
 
 

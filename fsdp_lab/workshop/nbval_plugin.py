@@ -24,11 +24,12 @@ It does four things nbval does not:
   second OpenMP thread makes the small operations of the labs' models wait at every parallel
   region for a thread that is not running (one lab cell took 131 s instead of 10 s with two
   workers on 2 cores); on idle cores it did not make a training step of the "cpu" Llama faster.
-* **A cell tagged ``needs-cpp-compiler`` is skipped where there is no C++ compiler.** Such a
-  cell runs ``torch.compile``, whose CPU backend (inductor) writes C++ and builds it with the
+* **A cell tagged ``needs-cpp-compiler`` is skipped where C++ cannot be built.** Such a cell
+  runs ``torch.compile``, whose CPU backend (inductor) writes C++ and builds it with the
   compiler ``torch._inductor.config.cpp.cxx`` names (``$CXX``, else ``g++``; ``clang++`` on
-  macOS). Without one the cell cannot run on that machine whatever the lab does, so it is
-  reported as skipped, with the reason and the fix, instead of failing.
+  macOS) against Python's headers. Without them the cell cannot run on that machine whatever
+  the lab does, so it is reported as skipped, with what is missing and the fix, instead of
+  failing (``fsdp_lab.toolchain``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
-import shutil
 
 import pytest
 
@@ -87,18 +87,6 @@ def pytest_configure(config) -> None:
         nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
 
 
-def missing_cpp_compiler() -> str | None:
-    """None when a C++ compiler that ``torch.compile``'s CPU backend would call is on PATH
-    (``torch._inductor.config.cpp.cxx``), else a sentence naming what was looked for and the fix."""
-    from torch._inductor import config
-    names = [name for name in config.cpp.cxx if name]
-    if any(shutil.which(name) for name in names):
-        return None
-    looked_for = " or ".join(repr(name) for name in names)
-    return (f"torch.compile on CPU writes C++ and no compiler was found ({looked_for} on PATH): "
-            "install g++ or clang, or set CXX to one")
-
-
 def cell_tags(item) -> list[str]:
     """The metadata tags of the notebook cell behind a collected nbval item ([] for other items)."""
     cell = getattr(item, "cell", None)
@@ -106,12 +94,15 @@ def cell_tags(item) -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the cells tagged ``NEEDS_COMPILER`` skipped when ``missing_cpp_compiler()`` finds
-    no compiler, with its sentence as the reason; the compiler is looked up only when such a
-    cell was collected."""
+    """Mark the cells tagged ``NEEDS_COMPILER`` skipped when ``torch.compile`` cannot build C++
+    here (``fsdp_lab.toolchain.missing_for_torch_compile``), with what is missing as the reason;
+    the machine is looked at only when such a cell was collected."""
     tagged = [item for item in items if NEEDS_COMPILER in cell_tags(item)]
-    missing = missing_cpp_compiler() if tagged else None
+    if not tagged:
+        return
+    from fsdp_lab.toolchain import missing_for_torch_compile
+    missing = missing_for_torch_compile()
     if missing is None:
         return
     for item in tagged:
-        item.add_marker(pytest.mark.skip(reason=f"this cell runs torch.compile; {missing}"))
+        item.add_marker(pytest.mark.skip(reason=f"this cell runs torch.compile, which on CPU needs {missing}"))

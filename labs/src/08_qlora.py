@@ -148,11 +148,11 @@ CELLS = [
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
     the 16-entry code book, multiply by its block's absmax, cast. Element by element that is several kernels
     and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too (inductor writes C++, so
-    these two cells need a C++ compiler: `fsdp-lab doctor` says whether there is one, and `pytest --nbval`
-    skips them without one), bit for bit the same values. The cell below prints the ratios
-    `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). The eager gather
-    form `fsdp_lab` uses (one lookup, one multiply) needs no compiler; both cells give its time as a
-    multiple of the compiled one's.
+    these two cells need a C++ compiler and Python's headers: `fsdp-lab doctor` says whether they are here,
+    and `pytest --nbval` skips the cells without them), bit for bit the same values. The cell below prints
+    the ratios `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). The
+    eager gather form `fsdp_lab` uses (one lookup, one multiply) needs no compiler; both cells give its time
+    as a multiple of the compiled one's.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
