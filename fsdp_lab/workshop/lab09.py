@@ -110,9 +110,10 @@ def _classify_wrong(wrong):
                                    f"which is 1 - MAX(not done) (want {want})")
     # MIN, or an AVG of 0/1 flags read back as ints, is 1 only where every rank has the flag
     if all(g == (min(oom for oom, _ in c), 1 - min(not_done for _, not_done in c)) for c, _, g, _ in wrong):
-        return mistake("min", f"{where}: each value is 1 only when every rank's flag is set (a MIN, or "
-                              "an average rounded down); one rank that ran out must make all retry, "
-                              f"and one rank still inside the batch keeps all in the loop: op='max' (want {want})")
+        return mistake("min", f"{where}: a MIN (or an average rounded down) of the flags is 1 only when "
+                              "every rank's flag is set, so the batch is retried only if every rank ran "
+                              "out, and a rank leaves the loop while a peer is still inside the batch; "
+                              f"reduce with op='max' (want {want})")
     return mistake("wrong", f"{where}, want {want}")
 
 
