@@ -36,8 +36,9 @@ def test_allocator_phases_time_each_phase_of_one_tracked_step():
     (another allocator tracker can start)."""
     from fsdp_lab.memory.tracker import MemoryTracker
     from fsdp_lab.toolchain import missing_for_extension
-    if missing_for_extension():
-        pytest.skip(f"needs {missing_for_extension()}")
+    missing = missing_for_extension()
+    if missing:
+        pytest.skip(f"needs {missing}")
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.weight.detach().clone()

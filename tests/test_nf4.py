@@ -365,8 +365,9 @@ def test_storages_are_tagged_quantized():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_compiled_dequantize_matches_eager():
     from fsdp_lab.toolchain import missing_for_torch_compile
-    if missing_for_torch_compile():
-        pytest.skip(f"torch.compile on CPU needs {missing_for_torch_compile()}")
+    missing = missing_for_torch_compile()
+    if missing:
+        pytest.skip(f"torch.compile on CPU needs {missing}")
     w = to_nf4(torch.randn(96, 64).to(torch.bfloat16))
     assert torch.equal(w.dequantize(compile=True), w.dequantize(compile=False))
 
