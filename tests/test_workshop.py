@@ -170,6 +170,26 @@ def test_every_cell_that_compiles_is_tagged_for_machines_without_a_compiler():
     assert compiling >= 2  # lab 08's, in both copies
 
 
+def test_lab_08_runs_on_past_its_compile_cells_without_a_compiler(monkeypatch):
+    """JupyterLab's Run All stops at a cell that raises: where inductor cannot build C++, lab 08's
+    ``needs-cpp-compiler`` cells say what is missing and time the eager forms instead."""
+    import nbformat
+
+    lab = nbformat.read(LABS / "08_qlora.ipynb", as_version=4)
+    code_cells = [c for c in lab.cells if c.cell_type == "code"]
+    tagged = [c for c in code_cells if "needs-cpp-compiler" in c.metadata.get("tags", [])]
+    assert len(tagged) == 2
+    cells = [nbformat.v4.new_code_cell(c.source) for c in [code_cells[0], *tagged]]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    monkeypatch.setenv("CXX", "no-such-c++")          # the compiler inductor calls, not on PATH
+    monkeypatch.delenv(files.BUILD_ENV, raising=False)
+    nbbuild.LabClient(notebook, timeout=300, kernel_name="python3",
+                      resources={"metadata": {"path": str(LABS)}}).execute()   # raises if a cell raises
+    compile_out, timing_out = ("".join(o.get("text", "") for o in c.outputs) for c in cells[1:])
+    assert "not compiled here: torch.compile on CPU needs a C++ compiler ('no-such-c++' is not on PATH" in compile_out
+    assert "eager (element-wise form)'s:" in timing_out and "compiled" not in timing_out
+
+
 @pytest.mark.parametrize("notebook", sorted(LABS.glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
 def test_the_first_cell_starts_the_fork_server_after_importing_fsdp_lab(notebook):
     """docs/workshop.md: the server that forks the ranks loads torch while the first cells run."""

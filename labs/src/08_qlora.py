@@ -147,28 +147,35 @@ CELLS = [
 
     Every forward and backward dequantizes each NF4 weight: unpack two 4-bit codes per byte, look each up in
     the 16-entry code book, multiply by its block's absmax, cast. Element by element that is several kernels
-    and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too (inductor writes C++, so
-    these two cells need a C++ compiler and Python's headers: `fsdp-lab doctor` says whether they are here,
-    and `pytest --nbval` skips the cells without them), bit for bit the same values. The cell below prints
-    the ratios `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). The
-    eager gather form `fsdp_lab` uses (one lookup, one multiply) needs no compiler; both cells give its time
-    as a multiple of the compiled one's.
+    and full-size temporaries; `torch.compile` fuses them into one loop, on CPU too, bit for bit the same
+    values. Inductor writes C++, so compiling needs a C++ compiler and Python's headers (`fsdp-lab doctor`
+    says whether they are here); without them these two cells say what is missing and time the eager forms
+    only (and `pytest --nbval` skips them, since they print less). The cell below prints the ratios
+    `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). The eager gather
+    form `fsdp_lab` uses (one lookup, one multiply) needs no compiler; both cells give its time as a multiple
+    of the compiled one's.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
+    from fsdp_lab.toolchain import missing_for_torch_compile
     w = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
     w_packed, w_scales = quantize_nf4_blocks(w.reshape(-1), 64)
-    compiled_dequant = torch.compile(dequantize_nf4_blocks_fused, dynamic=False)
     eager_out = dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16)
-    compiled_out = compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)      # the first call compiles
-    print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
+    cannot_compile = missing_for_torch_compile()    # None where inductor's C++ can be built here
+    if cannot_compile:
+        print("not compiled here: torch.compile on CPU needs", cannot_compile)
+    else:
+        compiled_dequant = torch.compile(dequantize_nf4_blocks_fused, dynamic=False)
+        compiled_out = compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)   # the first call compiles
+        print("compiled == eager, bit for bit:", torch.equal(compiled_out, eager_out))
     lab08.print_recorded_compile_ratios(files.labs.parent / "benchmarks/results/nf4_compile_cpu.json", w.shape)
     """, tags=["needs-cpp-compiler"]),
     code("""
-    lab08.print_shortest_times({     # the last one is the reference of the ratios
-        "eager (gather form)": lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16),
-        "eager (element-wise form)": lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16),
-        "compiled": lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)})
+    timed = {"eager (gather form)": lambda: dequantize_nf4_blocks(w_packed, w_scales, 64, dtype=torch.bfloat16),
+             "eager (element-wise form)": lambda: dequantize_nf4_blocks_fused(w_packed, w_scales, 64, torch.bfloat16)}
+    if not cannot_compile:
+        timed["compiled"] = lambda: compiled_dequant(w_packed, w_scales, 64, torch.bfloat16)
+    lab08.print_shortest_times(timed)     # the last one is the reference of the ratios
     """, tags=["nbval-ignore-output", "needs-cpp-compiler"]),
     md("""
     ## 5. What a tensor subclass sees

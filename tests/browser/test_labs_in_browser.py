@@ -36,24 +36,10 @@ def test_widgets_frontend_extension_installed():
     assert check.status == "OK", f"{check.detail}; {check.fix}"
 
 
-def _skip_where_its_compile_cells_cannot_build(notebook: pathlib.Path) -> None:
-    """Run All stops at the first cell that raises, and a ``needs-cpp-compiler`` cell raises where
-    torch.compile cannot build C++ (``pytest --nbval`` skips such cells there)."""
-    from fsdp_lab.toolchain import missing_for_torch_compile
-    from fsdp_lab.workshop.nbval_plugin import NEEDS_COMPILER
-
-    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
-    if any(NEEDS_COMPILER in cell["metadata"].get("tags", []) for cell in cells):
-        missing = missing_for_torch_compile()
-        if missing:
-            pytest.skip(f"{notebook.name}: Run All would stop at its torch.compile cell, which on CPU needs {missing}")
-
-
 @pytest.mark.parametrize("notebook", LAB_NOTEBOOKS, ids=[p.stem for p in LAB_NOTEBOOKS])
 def test_lab_runs_and_its_widget_responds(notebook, lab_tab, lab_server, artifacts):
     import lab_page
 
-    _skip_where_its_compile_cells_cannot_build(notebook)
     timings = {}
     page = None
     try:
