@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import socket
 import sys
 from typing import Iterator, NoReturn
 
@@ -164,13 +165,37 @@ def get_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS),
+    or None when the system lists neither."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def bind_gloo_to_loopback() -> None:
+    """Have gloo, in this process, connect its ranks over the loopback interface (sets
+    ``GLOO_SOCKET_IFNAME``; a value already set is kept). Call it only where every rank of the
+    group runs on this machine. Left to itself gloo binds to the address the host name resolves
+    to: where it does not resolve (common on laptops and in containers) gloo falls back to
+    loopback after printing a warning at every start, and a network address goes away with the
+    network."""
+    loopback = loopback_interface()
+    if loopback is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+
+
 def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[int, int]:
     """Initialise the default process group from the environment torchrun sets.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (LOCAL_WORLD_SIZE, when
     set, decides "auto": NCCL needs one GPU per local rank). Under NCCL it also sets the CUDA
-    device to LOCAL_RANK. ``timeout`` (seconds) bounds every collective. If a process group
-    already exists it is kept. Returns ``(rank, world_size)``.
+    device to LOCAL_RANK. When every rank is on this machine (LOCAL_WORLD_SIZE equals
+    WORLD_SIZE), gloo connects them over loopback (:func:`bind_gloo_to_loopback`) unless
+    ``GLOO_SOCKET_IFNAME`` is set. ``timeout`` (seconds) bounds every collective. If a process
+    group already exists it is kept. Returns ``(rank, world_size)``.
 
     Raises:
         RuntimeError: the torchrun variables are missing.
@@ -191,6 +216,8 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = choose_backend(local_world_size, backend)
+    if "LOCAL_WORLD_SIZE" in os.environ and local_world_size == world_size:
+        bind_gloo_to_loopback()  # every rank is on this node (torchrun --standalone or --nnodes 1)
     device_id = None
     if backend == "nccl":
         device_id = torch.device("cuda", local_rank)

@@ -38,7 +38,6 @@ import os
 import pickle
 import select
 import signal
-import socket
 import struct
 import sys
 import termios
@@ -101,13 +100,9 @@ def main(spec: dict) -> None:
                       LOCAL_WORLD_SIZE=str(world_size))
     os.environ[fdist.DEVICE_ENV] = device
     os.environ[fdist.IN_LAUNCH_ENV] = "1"
-    # Every rank of a launch runs on this machine, so gloo binds to the loopback interface. Left
-    # to itself it binds to what the host name resolves to: on a machine where that does not
-    # resolve, gloo prints a warning into every cell that launches, and a network address goes
-    # away with the network. A value the caller set is kept.
-    loopback = loopback_interface()
-    if loopback is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    # Every rank of a launch runs on this machine. Where the host name does not resolve, gloo
+    # would print its warning into every cell that launches.
+    fdist.bind_gloo_to_loopback()
     torch.set_num_threads(rank_threads(world_size, os.environ))
     try:
         with mmap.mmap(spec["call_fd"], spec["call_bytes"], access=mmap.ACCESS_READ) as call_file:
@@ -153,16 +148,6 @@ def main(spec: dict) -> None:
     # registered with atexit) and leave.
     atexit._run_exitfuncs()
     os._exit(0)
-
-
-def loopback_interface() -> str | None:
-    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS),
-    or None when the system lists neither."""
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except OSError:
-        return None
-    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 def rank_threads(world_size: int, env) -> int:

@@ -1,6 +1,7 @@
 """fsdp_lab.dist: backend and device rules, torchrun's environment, the simulated world."""
 
 import datetime
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import fsdp_lab
 from fsdp_lab import dist as fdist
 from fsdp_lab.dist import (choose_backend, comm_needs_host_staging, current_device,
                            device_for_rank, get_rank, get_world_size, init_distributed,
-                           is_simulated, simulated_world)
+                           is_simulated, loopback_interface, simulated_world)
 
 from _launch_helpers import REPO, env_with_repo, torchrun_env
 
@@ -214,6 +215,7 @@ def test_init_distributed_without_torchrun_says_what_to_do(monkeypatch):
 def test_init_distributed_under_torchrun(tmp_path):
     script = tmp_path / "per_rank.py"
     script.write_text(textwrap.dedent("""
+        import os
         import torch
         import torch.distributed as dist
         from fsdp_lab.dist import current_device, init_distributed
@@ -221,24 +223,44 @@ def test_init_distributed_under_torchrun(tmp_path):
         rank, world_size = init_distributed(timeout=120)
         t = torch.full((2,), float(rank + 1), device=current_device())
         dist.all_reduce(t)
-        line = f"rank {rank} of {world_size}: {dist.get_backend()} {current_device()} {t.tolist()}"
+        line = (f"rank {rank} of {world_size}: {dist.get_backend()} {current_device()} {t.tolist()} "
+                f"gloo over {os.environ.get('GLOO_SOCKET_IFNAME')}")
         with open(f"rank{rank}.txt", "w") as out:  # a file per rank: stdout lines of two ranks can interleave
             out.write(line)
         dist.barrier()  # see docs/running.md: no rank tears down while a peer still communicates
         dist.destroy_process_group()
     """))
     env = torchrun_env(tmp_path)
+    env.pop("GLOO_SOCKET_IFNAME", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(script)],
         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    loopback = loopback_interface()  # both ranks are on this machine (see the next test)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [
-        "rank 0 of 2: gloo cpu [3.0, 3.0]",
-        "rank 1 of 2: gloo cpu [3.0, 3.0]",
+        f"rank 0 of 2: gloo cpu [3.0, 3.0] gloo over {loopback}",
+        f"rank 1 of 2: gloo cpu [3.0, 3.0] gloo over {loopback}",
     ]
     assert list(tmp_path.glob("torchelastic_*"))  # torchrun's log folder is the test's, not the machine's
+
+
+@pytest.mark.parametrize("local_world_size,bound", [("4", True), ("2", False), (None, False)])
+def test_init_distributed_binds_gloo_to_loopback_only_when_every_rank_is_on_this_machine(
+        monkeypatch, local_world_size, bound):
+    env = dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+    if local_world_size is not None:  # torchrun sets it; a hand-made environment may not
+        env["LOCAL_WORLD_SIZE"] = local_world_size
+    monkeypatch.setattr(os, "environ", env)
+    seen = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.append(env.get("GLOO_SOCKET_IFNAME")))
+    assert init_distributed(backend="gloo") == (0, 4)
+    assert seen == [loopback_interface() if bound else None]
+    env.update(GLOO_SOCKET_IFNAME="eth7", LOCAL_WORLD_SIZE="4")  # a value the user set is kept
+    init_distributed(backend="gloo")
+    assert seen[-1] == "eth7"
 
 
 def test_package_exports():

@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_lab import collectives, launch_rank
-from fsdp_lab.dist import comm_needs_host_staging, current_device, init_distributed, is_simulated
+from fsdp_lab import collectives
+from fsdp_lab.dist import (comm_needs_host_staging, current_device, init_distributed, is_simulated,
+                           loopback_interface)
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from _launch_helpers import REPO, alive, env_with_repo
 
@@ -118,7 +119,7 @@ def test_gloo_binds_to_loopback_whatever_the_host_name_resolves_to(runs):
     # where the host name does not resolve, gloo otherwise prints a warning at every launch
     names = [name for _, name in socket.if_nameindex()]
     want = "lo" if "lo" in names else "lo0"
-    assert want in names and launch_rank.loopback_interface() == want
+    assert want in names and loopback_interface() == want
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         assert {r["gloo_interface"] for r in runs["single"][0]} == {want}
 
