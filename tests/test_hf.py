@@ -128,8 +128,13 @@ def _rank_suite():
         with FullyShardedDataParallel.summon_full_params(model):
             params = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
         out[(family, "fsdp1")] = (losses, params)
-        # generate() is not the root's forward: its own parameters must be whole around it;
+        # generate() is not the root's forward: its own parameters must be whole around it
+        # (without that it is refused, and the model is left as it was: the next lines generate);
         # with recurse=True the nested units run on the summoned parameters as they are
+        try:
+            out[(family, "fsdp1", "generate unsummoned")] = greedy(model)
+        except RuntimeError as e:
+            out[(family, "fsdp1", "generate unsummoned")] = str(e)
         for recurse in (False, True):
             with FullyShardedDataParallel.summon_full_params(model, recurse=recurse, writeback=False):
                 out[(family, "fsdp1", "generate", recurse)] = greedy(model.module)
@@ -257,6 +262,15 @@ def test_forward_inside_summon_full_params_refuses_what_cannot_be_right(suite):
     assert on_rank0[0] == on_rank1[0]
     assert on_rank0[1] == "ran"  # rank0_only: rank 0 holds the whole parameters
     assert "rank0_only=True" in on_rank1[1] and "sharded" in on_rank1[1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_on_an_fsdp1_model_outside_summon_says_how(suite, family):
+    """The wrapper hands generate() to the inner model, whose forward then runs past the root
+    unit on 1-D shards (torch said "'weight' must be 2-D")."""
+    message = suite[(family, "fsdp1", "generate unsummoned")]
+    assert isinstance(message, str) and "ran without going through its FSDP1 unit" in message, message
+    assert "summon_full_params(model, recurse=False, writeback=False)" in message
 
 
 def test_generate_under_bf16_needs_every_unit_summoned(suite):

@@ -200,6 +200,10 @@ class ShardedUnit(nn.Module):
         # forward's graph holds it, so a graph dropped without backward (an evaluation with grad
         # on, a recomputation's) leaves the set by itself
         self._forwards_awaiting_input_grads: weakref.WeakSet[_Forward] = weakref.WeakSet()
+        self._running_forward = False  # inside this unit's forward, which calls the wrapped module
+        # A call of the wrapped module that goes past this unit (``model.generate()``, which the
+        # wrapper hands to the inner model, or ``model.module(...)``) would meet 1-D shards
+        self._fsdp_wrapped_module.register_forward_pre_hook(_weak_callback(self, "_check_called_through_unit"))
 
     def reset_runtime(self) -> None:
         """After an interrupted step: this unit idle, its flat parameters reset."""
@@ -245,9 +249,29 @@ class ShardedUnit(nn.Module):
         if self is self._root and policy.cast_root_forward_inputs or policy.cast_forward_inputs:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
         args, kwargs = self._pre_forward(args, kwargs)
-        output = self._fsdp_wrapped_module(*args, **kwargs)
+        self._running_forward = True
+        try:
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self._running_forward = False
         self._post_forward(output)
         return output
+
+    def _check_called_through_unit(self) -> None:
+        """RuntimeError when the wrapped module runs while this unit's parameters are 1-D shards:
+        called directly, not through this unit's forward, outside ``summon_full_params`` and
+        outside backward (where a checkpointed module is run again on gathered parameters)."""
+        if (self._running_forward or not self._handles or self.training_state == TrainingState.SUMMON_FULL_PARAMS
+                or self._root is not None and self._shared.step != StepState.IDLE):
+            return
+        inner = type(self._fsdp_wrapped_module).__name__
+        raise RuntimeError(
+            f"{self._name}: {inner}.forward ran without going through its FSDP1 unit (model.generate(), "
+            f"model.module(...) or another method of the inner model calls it directly), so its parameters are "
+            f"still this rank's 1-D shards. Call the wrapper, model(...), to run a step; for generate() or "
+            f"another method, run it inside `with FSDP.summon_full_params(model, recurse=False, writeback=False):` "
+            f"as model.module.generate(...) (docs/fsdp1.md), or shard the model with FSDP2, whose modules "
+            f"keep their own methods")
 
     def _forward_summoned(self, args, kwargs):
         """A forward inside ``summon_full_params`` (e.g. ``model.module.generate()`` there): the
