@@ -54,7 +54,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from fsdp_lab.dist import backend_for
 from fsdp_lab.process_group import ALL_GATHER, REDUCE_SCATTER, backend, direct, lookup, options
 
 # torch >= 2.13 names them all_gather_single and reduce_scatter_single; older versions only
@@ -74,7 +73,7 @@ _recorders: list["CommRecorder"] = []
 _count = 0  # collectives entered by this process
 _last: tuple | None = None  # (name, count, nbytes, dtype, group size) of the last one entered
 _blocked = 0  # >0 while this process waits for a collective to complete
-_reducible_checked: dict[tuple[str, torch.dtype], bool] = {}
+_awaited: tuple | None = None  # what a handle's wait() waits for (an earlier collective than _last)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
@@ -119,9 +118,20 @@ def remove_recorder(recorder: CommRecorder) -> None:
 def last_entered() -> str:
     """The last collective this process entered, e.g. "all_reduce #2 (16 B float32, group of
     2)" (the number counts this process's collectives), or "none" before the first."""
-    if _last is None:
+    return _describe(_last)
+
+
+def waiting_in() -> str:
+    """The collective this process waits for now, in ``last_entered``'s words: the one whose
+    handle it waits on (issued asynchronously, maybe before later ones), else the last one it
+    entered; "none" while it is not waiting (``blocked()`` is False)."""
+    return _describe((_awaited or _last) if _blocked else None)
+
+
+def _describe(entered: tuple | None) -> str:
+    if entered is None:
         return "none"
-    name, count, nbytes, dtype, group_size = _last
+    name, count, nbytes, dtype, group_size = entered
     return f"{name} #{count} ({_human_bytes(nbytes)} {_dtype_name(dtype)}, group of {group_size})"
 
 
@@ -163,11 +173,17 @@ class CollectiveHandle:
         self._finish = finish
         self._event = event
         self._done = False
+        self._entered = _last  # this collective, as counted when it was issued
 
     def wait(self) -> None:
+        global _awaited
         if self._done:
             return
-        _wait_for(self._works)
+        _awaited = self._entered
+        try:
+            _wait_for(self._works)
+        finally:
+            _awaited = None
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -285,10 +301,12 @@ def _staging(tensor: torch.Tensor, info) -> bool:
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=None,
-                           async_op: bool = False, lane: str = "comm", name: str = "all_gather", meta: dict | None = None):
+                           async_op: bool = False, lane: str = "comm", name: str = "all_gather", meta: dict | None = None,
+                           before_issue: Callable[[], None] | None = None):
     """Gather every rank's ``input`` into ``output`` (rank order along dim 0).
 
     ``output.numel()`` must be ``input.numel() * group_size``; raises ValueError otherwise.
+    ``before_issue`` (see :func:`reduce_scatter_tensor`) runs once this call's own buffers exist.
     Returns a ``CollectiveHandle`` when ``async_op`` else None.
     """
     info = lookup(group)
@@ -298,9 +316,13 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
             f"all_gather_into_tensor: output has {output.numel()} elements, expected "
             f"input.numel() * group size = {input.numel()} * {n}"
         )
-    entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
-    if _staging(input, info):
+    staged = _staging(input, info)
+    if staged:
         host_out, host_in = output.cpu(), input.cpu()
+    if before_issue is not None:
+        before_issue()
+    entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
+    if staged:
         works = _through_torch(_TORCH_ALL_GATHER, host_out, host_in, group=group, async_op=async_op)
         return _run(works, lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
     if direct(info, output, input):
@@ -313,7 +335,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum", group=None,
                           async_op: bool = False, lane: str = "comm", name: str = "reduce_scatter",
-                          meta: dict | None = None, input_is_scratch: bool = False):
+                          meta: dict | None = None, input_is_scratch: bool = False,
+                          before_issue: Callable[[], None] | None = None):
     """Reduce ``input`` (the full size, group_size chunks along dim 0) across ranks and
     leave chunk ``rank`` of the result in ``output``.
 
@@ -323,6 +346,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     says the caller drops ``input`` afterwards: gloo then reduces each chunk in place onto its
     owner (one reduce per rank) and allocates no receive buffer, as NCCL's in-place
     reduce-scatter would; ``input``'s contents are undefined afterwards.
+    ``before_issue()`` runs after every buffer this call allocates (gloo's receive buffer, host
+    copies of CUDA tensors) and right before the collective is issued: FSDP fires its sync point
+    there, so that nothing on this rank can fail between the point and the collective.
     Raises ValueError when ``input.numel() != output.numel() * group_size``.
     """
     info = lookup(group)
@@ -333,8 +359,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
             f"output.numel() * group size = {output.numel()} * {n}"
         )
     reduce_op = _reduce_op(op)
-    entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
     if backend(info, input) != "gloo":
+        if before_issue is not None:
+            before_issue()
+        entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
         if direct(info, output, input):
             works = _issue(getattr(info.pg, REDUCE_SCATTER), async_op, output, input,
                            options(c10d.ReduceScatterOptions, async_op, reduce_op))
@@ -346,10 +374,14 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     staged = input.is_cuda  # on gloo, so through host memory
     send = input.detach().reshape(-1)
     send = send.cpu() if staged else send
-    if input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+    in_place = input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+    received = None if in_place else torch.empty_like(send)
+    if before_issue is not None:
+        before_issue()
+    entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
+    if in_place:
         works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, info, async_op)
         return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
-    received = torch.empty_like(send)
     works = _through_torch(dist.all_to_all_single, received, send, group=group, async_op=async_op)
 
     def finish() -> None:
@@ -393,16 +425,20 @@ def _local_reduce(chunks: torch.Tensor, reduce_op, n: int) -> torch.Tensor:
 
 
 def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = False,
-               lane: str = "comm", name: str = "all_reduce", meta: dict | None = None):
-    """Reduce ``tensor`` in place across ranks. "avg" on gloo is a SUM then a division."""
+               lane: str = "comm", name: str = "all_reduce", meta: dict | None = None,
+               before_issue: Callable[[], None] | None = None):
+    """Reduce ``tensor`` in place across ranks. "avg" on gloo is a SUM then a division.
+    ``before_issue`` (see :func:`reduce_scatter_tensor`) runs once this call's own buffers exist."""
     info = lookup(group)
     n = info.size
     reduce_op = _reduce_op(op)
     gloo = backend(info, tensor) == "gloo"
     staged = gloo and tensor.is_cuda
     divide = gloo and reduce_op == dist.ReduceOp.AVG
-    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     work_tensor = tensor.cpu() if staged else tensor
+    if before_issue is not None:
+        before_issue()
+    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
     backend_op = dist.ReduceOp.SUM if divide else reduce_op
     if direct(info, work_tensor):
         works = _issue(info.pg.allreduce, async_op, [work_tensor],
@@ -434,28 +470,3 @@ def broadcast(tensor: torch.Tensor, src: int, *, group=None, async_op: bool = Fa
         works = _through_torch(dist.broadcast, work_tensor, src=src, group=group, async_op=async_op)
     finish = (lambda: tensor.copy_(work_tensor)) if staged else None
     return _run(works, finish, entered, async_op, lane, meta, staged=staged)
-
-
-def ensure_reducible(dtype: torch.dtype, group=None) -> None:
-    """Raise TypeError if this group's backend cannot sum tensors of ``dtype``.
-
-    Checked once per (backend, dtype) with a one-element all-reduce on every rank (all
-    ranks run the same software, so they agree). Integer and bool dtypes are refused
-    for gradient reductions by the FSDP policies, not here.
-    """
-    device = "cuda" if backend_for("cuda", group) == "nccl" else "cpu"  # where gradients are reduced
-    backend_name = backend_for(device, group)
-    key = (backend_name, dtype)
-    if key not in _reducible_checked:
-        probe = torch.zeros(1, dtype=dtype, device=device)
-        try:
-            with _BLOCKING:  # not counted in last_entered: a one-off probe, not the program's own
-                dist.all_reduce(probe, group=group)
-            _reducible_checked[key] = True
-        except (RuntimeError, TypeError, ValueError):
-            _reducible_checked[key] = False
-    if not _reducible_checked[key]:
-        raise TypeError(
-            f"the {backend_name} backend of torch {torch.__version__} cannot reduce {dtype}; "
-            f"set reduce_dtype=torch.float32 in the mixed-precision policy"
-        )

@@ -23,8 +23,8 @@ How it works, in order:
    what is written below Python, by C++ libraries or programs a rank starts, through the pipes
    that are the rank's file descriptors 1 and 2), collects results, and stops every rank as
    soon as one fails, dies or the timeout passes; then it raises :class:`LaunchError` with the
-   failing rank's traceback, or :class:`LaunchTimeout` naming the last collective each rank
-   entered. No rank outlives ``launch``.
+   failing rank's traceback, or :class:`LaunchTimeout` naming the collective each rank waits
+   in (else the last one it entered). No rank outlives ``launch``.
 5. A deadlock does not wait for the timeout: when every running rank has waited for over
    ``_DEADLOCK_S`` inside its N-th collective and those N-th collectives are not the same
    operation (rank 0 in an all-reduce, rank 1 in an all-gather), none of them can ever
@@ -74,7 +74,9 @@ class LaunchError(RuntimeError):
 
 
 class LaunchTimeout(LaunchError):
-    """:func:`launch` ran past its timeout; ``last_collectives[r]`` is what rank r last entered."""
+    """:func:`launch` ran past its timeout; ``last_collectives[r]`` is the collective rank r waits
+    in (an asynchronous one it issued earlier, when it waits on that one's handle), else the last
+    one it entered."""
 
     def __init__(self, message: str, last_collectives: list[str]):
         super().__init__(message)
@@ -350,7 +352,7 @@ def _timeout_error(ranks: list[RankHandle], waiting: set[int], timeout: float,
         head = (f"deadlock: the ranks wait in different collectives, which can never complete; "
                 f"stopped after {deadlock_after:.0f} s instead of waiting for the {timeout:g} s timeout")
     lines = [f"{head}; ranks still running: "
-             f"{', '.join(map(str, sorted(waiting)))}. Last collective each rank entered:"]
+             f"{', '.join(map(str, sorted(waiting)))}. The collective each rank waits in (else the last it entered):"]
     for rank in ranks:
         state = "" if rank.rank in waiting else " (finished)"
         lines.append(f"  rank {rank.rank}{state}: {last[rank.rank]}")

@@ -6,9 +6,9 @@ module, so the caller may be a notebook, ``python -`` or a script without a
 ``__main__`` guard. In order:
 
 1. start a watcher thread: it ends this rank if the parent dies (even by SIGKILL), and every
-   0.1 s copies ``fsdp_lab.collectives.last_entered()`` and ``blocked()`` into this rank's slot
-   of the shared progress file, which the parent reads to explain a hang and to stop a deadlock
-   early (the collectives' own path only counts waits in and out); send prints to the parent line
+   0.1 s copies ``fsdp_lab.collectives.blocked()`` and ``waiting_in()`` (while blocked) or
+   ``last_entered()`` into this rank's slot of the shared progress file, which the parent reads
+   to explain a hang and to stop a deadlock early (the collectives' own path only counts waits in and out); send prints to the parent line
    by line through the message pipe (fds 1 and 2 are pipes the parent reads too: C++ libraries
    and child processes write there, and each message waits until the parent has read what was
    written there before it, so the parent sees both in the order they were written);
@@ -220,8 +220,9 @@ def _start_watcher(lifeline_fd: int, slot_fd: int, slot_bytes: int, rank: int, w
             readable, _, _ = select.select([lifeline_fd], [], [], _PROGRESS_PERIOD_S)
             if readable and not os.read(lifeline_fd, 1):
                 os._exit(1)
-            # first byte: "W" while blocked in a collective's wait, "R" while running
-            entered = ("W" if collectives.blocked() else "R") + collectives.last_entered()
+            # "W" and the collective it waits for while blocked, else "R" and the last one entered
+            blocked = collectives.blocked()
+            entered = "W" + collectives.waiting_in() if blocked else "R" + collectives.last_entered()
             if entered != written:
                 data = entered.encode("utf-8", "replace")[: slot_bytes - 1]
                 slots[start:start + slot_bytes] = data.ljust(slot_bytes, b"\0")

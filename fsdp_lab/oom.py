@@ -207,7 +207,8 @@ def _flags(oom: int, not_done: int) -> tuple[int, int]:
     """(MAX of ``oom``, MIN of done) over all ranks in one all-reduce: MIN(done) = 1 - MAX(not done)."""
     if not dist.is_initialized():
         return oom, not_done
-    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    with suspend_budget():  # a flag lives in host memory, not on the device a budget emulates
+        t = torch.tensor([oom, not_done], dtype=torch.int32)
     collectives.all_reduce(t, op="max", group=flag_group(), name="oom_sync")
     return int(t[0]), int(t[1])
 
@@ -220,7 +221,8 @@ def _flag(value: int, op: str) -> int:
     """
     if not dist.is_initialized():  # one process: nobody to agree with
         return value
-    t = torch.tensor([value], dtype=torch.int32)
+    with suspend_budget():  # as in _flags
+        t = torch.tensor([value], dtype=torch.int32)
     collectives.all_reduce(t, op=op, group=flag_group(), name="oom_flag")
     return int(t.item())
 

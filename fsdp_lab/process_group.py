@@ -12,6 +12,7 @@ check and call.
 
 from __future__ import annotations
 
+import datetime
 import weakref
 from typing import NamedTuple
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import has_torch_function
 
-from fsdp_lab.dist import backend_for
+from fsdp_lab.dist import backend_for, loopback_interface
 
 # The process group's own methods behind torch.distributed's all_gather_single and
 # reduce_scatter_single (torch >= 2.13; before, all_gather_into_tensor and reduce_scatter_tensor).
@@ -110,3 +111,46 @@ def direct(info: Group, *tensors: torch.Tensor) -> bool:
         if tensor.is_complex():
             return False
     return True
+
+
+_reducible_checked: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def ensure_reducible(dtype: torch.dtype, group=None) -> None:
+    """Raise TypeError if this group's backend cannot sum tensors of ``dtype``.
+
+    Only gloo is asked (NCCL sums every floating dtype the FSDP policies allow; integer and
+    bool dtypes are refused for gradient reductions by the policies, not here), once per
+    dtype, on a one-rank gloo group of this process's own: no other rank takes part, so a
+    rank that checks while a peer has stopped on an error (an out-of-memory one, say) cannot
+    wait for it.
+    """
+    device = "cuda" if backend_for("cuda", group) == "nccl" else "cpu"  # where gradients are reduced
+    backend_name = backend_for(device, group)
+    if backend_name != "gloo":
+        return
+    key = (backend_name, dtype)
+    if key not in _reducible_checked:
+        _reducible_checked[key] = _gloo_sums(dtype)
+    if not _reducible_checked[key]:
+        raise TypeError(
+            f"the {backend_name} backend of torch {torch.__version__} cannot reduce {dtype}; "
+            f"set reduce_dtype=torch.float32 in the mixed-precision policy"
+        )
+
+
+def _gloo_sums(dtype: torch.dtype) -> bool:
+    """Whether gloo, in this torch, sums CPU tensors of ``dtype``: a one-element all-reduce on a
+    group of one rank over loopback, its store in this process (nothing leaves the process)."""
+    gloo = dist.ProcessGroupGloo
+    settings = gloo._Options()
+    interface = loopback_interface()
+    settings._devices = [gloo.create_device(interface=interface) if interface else gloo.create_default_device()]
+    settings._threads = 1
+    settings._timeout = datetime.timedelta(seconds=60)
+    alone = gloo(dist.HashStore(), 0, 1, settings)
+    try:
+        alone.allreduce([torch.zeros(1, dtype=dtype)]).wait()
+        return True
+    except (RuntimeError, TypeError, ValueError):  # gloo: "Invalid scalar type"
+        return False

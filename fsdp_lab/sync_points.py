@@ -5,7 +5,8 @@ FSDP (fsdp_lab's FSDP1 and FSDP2) calls ``fire(point, module_name)`` at the mome
 * ``"pre_forward"``, ``"pre_backward"``, ``"post_backward"``: a unit's forward pre-hook, its
   pre-backward hook and its post-backward hook (where fault injection aims);
 * ``"all_gather"`` and ``"reduce_scatter"``: right before a unit's collective is issued, after
-  its buffers are allocated, so nothing can fail between the last sync and the collective;
+  its buffers are allocated (fired by ``fsdp_lab.collectives`` through ``before_issue``, after the
+  collective's own buffers too), so nothing can fail between the last sync and the collective;
 * ``"optimizer_step"`` (module name ""): fired by ``AutoMicrobatch.train_step`` after the last
   microbatch's backward and before the optimizer step, not by FSDP itself.
 

@@ -174,6 +174,78 @@ def _hang_without_hooks(fail_rank):
     return "finished"
 
 
+def _protocol_invariants():
+    """What keeps a rank that ran out of memory from hanging its peers: nothing on one rank may
+    fail, or issue a collective of its own, between a sync point and FSDP's collective."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_lab import collectives, oom, process_group, sync_points
+    from fsdp_lab.fsdp2 import fully_shard
+    from fsdp_lab.memory.tracker import MemoryTracker
+    rank, out = dist.get_rank(), {}
+    # the backend check before a first reduction in a dtype involves no other rank
+    if rank == 1:
+        process_group.ensure_reducible(torch.bfloat16, dist.group.WORLD)
+    total = torch.tensor([float(rank + 1)])
+    collectives.all_reduce(total)
+    out["sum"] = total.item()
+    # the ranks' flags are host memory, not the emulated device's: a budget cannot fail them
+    with oom.memory_budget(1, rank=1):
+        out["agreed"] = oom.agree(rank == 1)
+    # no allocation between a collective's sync point and the collective being issued (FSDP's
+    # calls return once it is issued): the collective's own buffers come before the point
+    armed = {}
+
+    def at_point(point, module):
+        if point in sync_points.COLLECTIVE_POINTS:
+            armed["point"] = f"{point} {module}"
+
+    def disarming(collective):
+        def call(*args, **kwargs):
+            try:
+                return collective(*args, **kwargs)
+            finally:
+                armed.clear()
+        return call
+
+    class Watch(MemoryTracker):
+        def _add(self, info, nbytes):
+            super()._add(info, nbytes)
+            if armed and nbytes > 0:
+                out[impl].append(armed["point"])
+
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+        setattr(collectives, name, disarming(getattr(collectives, name)))  # this rank's copy only
+
+    hsdp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    for impl in ("fsdp2", "fsdp1", "fsdp2 hsdp"):
+        if impl == "fsdp2 hsdp":
+            model = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=0)
+            for layer in model.layers:
+                fully_shard(layer, mesh=hsdp)
+            model, opt = fully_shard(model, mesh=hsdp), None
+        else:
+            model, opt = _setup(impl=impl)
+        out[impl] = []
+        handle = sync_points.register(at_point)
+        try:
+            with Watch(model, opt):
+                model(_batch(0)).loss.backward()
+        finally:
+            handle.remove()
+            armed.clear()
+    return out
+
+
+def test_no_rank_can_fail_or_act_alone_between_a_sync_point_and_its_collective():
+    results = fsdp_lab.launch(_protocol_invariants, world_size=2, timeout=150)
+    for out in results:
+        assert out["sum"] == 3.0  # rank 1's dtype check took no part in it
+        assert out["agreed"] is True
+        assert out["fsdp2"] == out["fsdp1"] == out["fsdp2 hsdp"] == []
+
+
 @pytest.fixture(scope="module")
 def two():
     return fsdp_lab.launch(_cases, 1, tuple(POINTS), True, world_size=2, timeout=150)

@@ -143,7 +143,7 @@ def test_backend_for_answers_per_device(monkeypatch):
 def test_collectives_run_on_a_per_device_process_group():
     """A group initialised with a per-device string (what launch makes for NCCL, here its CPU half)
     runs fsdp_lab's collectives on CPU tensors."""
-    from fsdp_lab import collectives
+    from fsdp_lab import collectives, process_group
     dist.init_process_group("cpu:gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     try:
@@ -154,7 +154,7 @@ def test_collectives_run_on_a_per_device_process_group():
         collectives.reduce_scatter_tensor(out, torch.arange(4.0))
         gathered = torch.empty(4)
         collectives.all_gather_into_tensor(gathered, torch.arange(4.0))
-        collectives.ensure_reducible(torch.float32)
+        process_group.ensure_reducible(torch.float32)
         assert torch.equal(t, torch.arange(4.0)) and torch.equal(out, t) and torch.equal(gathered, t)
     finally:
         dist.destroy_process_group()

@@ -230,9 +230,9 @@ def _rank_suite():
 
     # 5. a wire dtype the backend cannot reduce: pretend this gloo cannot sum bf16 (checked once
     # per (backend, dtype) and cached), then reduce bf16 gradients. Last: it fails a backward.
-    from fsdp_lab import collectives
+    from fsdp_lab import process_group
 
-    collectives._reducible_checked[("gloo", BF16)] = False
+    process_group._reducible_checked[("gloo", BF16)] = False
     try:
         model = _mlp()
         fully_shard(model, mp_policy=MixedPrecisionPolicy(grad_comm_dtype=BF16))
@@ -242,7 +242,7 @@ def _rank_suite():
     except TypeError as error:
         out["unreducible"] = str(error)
     finally:
-        collectives._reducible_checked.pop(("gloo", BF16), None)
+        process_group._reducible_checked.pop(("gloo", BF16), None)
     return out
 
 

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from fsdp_lab import collectives, sync_points
+from fsdp_lab import collectives, process_group, sync_points
 from fsdp_lab.fsdp1.layout import FlatLayout, ShardingSpec
 from fsdp_lab.memory.tags import tag
 
@@ -154,15 +154,15 @@ class FlatGrad:
         if full.dtype != self.config.wire_dtype:  # a temporary buffer for the collective only
             full = tag(full.to(self.config.wire_dtype), "comm_buffers")
         if self.spec.group is not None:
-            collectives.ensure_reducible(full.dtype, self.spec.group)
+            process_group.ensure_reducible(full.dtype, self.spec.group)
         if self.spec.size == 1:
             self.in_flight = ReduceScatter(output=full, work=None, input=full)
             return
         output = tag(torch.empty(self.layout.shard_numel, dtype=full.dtype, device=full.device), "sharded_grads")
-        sync_points.fire("reduce_scatter", self.name)
         # the flat gradient dies after this reduce: let gloo reduce in place (no full-size receive buffer)
         work = collectives.reduce_scatter_tensor(output, full, group=self.spec.group, async_op=True,
-                                                 meta={"module": self.name}, input_is_scratch=True)
+                                                 meta={"module": self.name}, input_is_scratch=True,
+                                                 before_issue=functools.partial(sync_points.fire, "reduce_scatter", self.name))
         self.in_flight = ReduceScatter(output=output, work=work, input=full)
 
     def finish_reduce(self) -> None:
@@ -177,8 +177,8 @@ class FlatGrad:
         output = pending.output
         del pending
         if self.config.replicate_group is not None:
-            sync_points.fire("reduce_scatter", self.name)
-            collectives.all_reduce(output, group=self.config.replicate_group, meta={"module": self.name})
+            collectives.all_reduce(output, group=self.config.replicate_group, meta={"module": self.name},
+                                   before_issue=functools.partial(sync_points.fire, "reduce_scatter", self.name))
         output.div_(self.config.world_size)
         sharded = tag(output.to(self.spec.home, self.master_dtype), "sharded_grads")
         slices = self.layout.local_slices()

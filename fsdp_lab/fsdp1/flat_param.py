@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -157,11 +158,11 @@ class FlatParamHandle:
         if self.spec.size == 1:
             self.full.copy_(source)
             return
-        # after the allocations: nothing fails between the sync point and the collective (if
-        # the sync point raises, the handle is GATHERING with nothing issued: reset frees it)
-        sync_points.fire("all_gather", self.unit_name)
+        # the sync point fires after every allocation, the collective's own included (if it
+        # raises, the handle is GATHERING with nothing issued: reset frees it)
         self._all_gather.work = collectives.all_gather_into_tensor(
-            self.full, source, group=self.spec.group, async_op=True, meta={"module": self.unit_name})
+            self.full, source, group=self.spec.group, async_op=True, meta={"module": self.unit_name},
+            before_issue=partial(sync_points.fire, "all_gather", self.unit_name))
 
     def wait_for_unshard(self) -> None:
         """Block until ``full`` holds every rank's shard (issuing the all-gather if needed)."""

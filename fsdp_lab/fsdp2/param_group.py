@@ -23,12 +23,13 @@ to SHARDED after an interrupted step.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 import torch.nn as nn
 
-from fsdp_lab import collectives, sync_points
+from fsdp_lab import collectives, process_group, sync_points
 from fsdp_lab.fsdp2.param import FSDPParam
 from fsdp_lab.memory.tags import tag
 from fsdp_lab.states import ShardedState, assert_in_states
@@ -93,7 +94,8 @@ class _ReduceScatter:
                     shard.add_(partial)
             self.partials = partial = None  # the last views of the earlier outputs: their bytes go now
             collectives.all_reduce(self.output, op="avg" if self.divide_by is None else "sum",
-                                   group=self.replicate_group, meta={"module": self.name})
+                                   group=self.replicate_group, meta={"module": self.name},
+                                   before_issue=functools.partial(sync_points.fire, "reduce_scatter", self.name))
         if self.divide_by is not None and self.divide_by != 1:
             self.output.div_(self.divide_by)
         for fsdp_param, shard in zip(self.params, shards):
@@ -182,9 +184,10 @@ class FSDPParamGroup:
         torch._foreach_copy_(list(torch.split(flat_input, split_numels)), sources)
         output = tag(torch.empty(flat_input.numel() * self.world_size, dtype=buffer_dtype, device=self.device),
                      "comm_buffers")
-        sync_points.fire("all_gather", self.name)  # after the allocations: nothing fails between sync and collective
+        # the sync point fires after every allocation, the collective's own included
         handle = collectives.all_gather_into_tensor(output, flat_input, group=self.group, async_op=True,
-                                                    meta={"module": self.name})
+                                                    meta={"module": self.name},
+                                                    before_issue=functools.partial(sync_points.fire, "all_gather", self.name))
         self._all_gather = _AllGather(handle, flat_input, output, buffer_dtype, inputs, dtypes, owners, split_numels)
         self.sharded_state = ShardedState.GATHERING
         if not async_op or _SYNCHRONOUS:
@@ -275,7 +278,7 @@ class FSDPParamGroup:
         if not params:
             return None
         wire_dtype = params[0].dtypes.wire  # one policy per group: the same for every parameter
-        collectives.ensure_reducible(wire_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
+        process_group.ensure_reducible(wire_dtype, self.group)  # e.g. bf16 on an old gloo: clear error
         split_numels = [g.numel() // self.world_size for g in grads]
         flat_input = tag(torch.empty(sum(split_numels) * self.world_size, dtype=wire_dtype, device=self.device),
                          "comm_buffers")
@@ -293,9 +296,9 @@ class FSDPParamGroup:
         if divide_by is None and self.force_sum_reduction_for_comms:
             divide_by = float(self.world_size * replicas)
         op = "avg" if self.world_size > 1 and divide_by is None else "sum"
-        sync_points.fire("reduce_scatter", self.name)
         handle = collectives.reduce_scatter_tensor(output, flat_input, op=op, group=self.group, async_op=True,
-                                                   meta={"module": self.name})
+                                                   meta={"module": self.name},
+                                                   before_issue=functools.partial(sync_points.fire, "reduce_scatter", self.name))
         if _SYNCHRONOUS:
             handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
         # taken now, so that a second reduction in the same backward does not see them again

@@ -121,7 +121,7 @@ CELLS = [
     try:
         fsdp_lab.launch(without_hooks, world_size=2, timeout=60)   # a backstop: the deadlock is seen once both ranks wait
     except fsdp_lab.LaunchTimeout as error:
-        print(type(error).__name__, "- last collective each rank entered:")
+        print(type(error).__name__, "- the collective each rank waits in:")
         for rank, last in enumerate(error.last_collectives):
             print(f"  rank {rank}: {last}")
     """),
