@@ -134,7 +134,8 @@ class AutoMicrobatch:
                  loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None, stable_steps: int = 3,
                  detect_thrashing: bool = True):
         check_model_and_optimizer("AutoMicrobatch", model, optimizer, required=True)
-        for name, value in (("global_batch_size", global_batch_size), ("min_microbatch", min_microbatch)):
+        for name, value in (("global_batch_size", global_batch_size), ("min_microbatch", min_microbatch),
+                            ("stable_steps", stable_steps)):
             check_positive_int(name, value)
         check_bool("detect_thrashing", detect_thrashing)
         start = global_batch_size if start is None else start

@@ -357,6 +357,8 @@ def test_bad_arguments():
         AutoMicrobatch(model, opt, 7, start=6, min_microbatch=2)
     with pytest.raises(TypeError, match="detect_thrashing must be True or False, got 'no'"):
         AutoMicrobatch(model, opt, 8, detect_thrashing="no")
+    with pytest.raises(ValueError, match="stable_steps must be a positive int, got 0"):
+        AutoMicrobatch(model, opt, 8, stable_steps=0)
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got SGD \(an optimizer: pass the model first"):
         AutoMicrobatch(opt, model, 8)
     with pytest.raises(TypeError, match="AutoMicrobatch needs a model and an optimizer, got model=Linear, optimizer=NoneType"):

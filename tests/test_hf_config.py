@@ -161,6 +161,9 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
     ({"hidden_act": "gelu"}, "uses 'gelu', not the SiLU-gated"),
     ({"head_dim": 15}, "head_dim 15 is odd"),
     ({"intermediate_size": None}, "the config has no intermediate_size"),
+    ({"num_hidden_layers": "32"}, "the config's num_hidden_layers must be a positive int, got '32'"),
+    ({"num_key_value_heads": 0}, "the config's num_key_value_heads must be a positive int, got 0"),
+    ({"vocab_size": None, "text_config": {"vocab_size": 64}}, "pass that, from_hf(config['text_config'])"),
 ])
 def test_configs_of_other_shapes_are_refused_with_the_reason(change, words):
     fields = transformers.LlamaConfig(**SMALL).to_dict()

@@ -360,10 +360,13 @@ def test_cli_prints_the_breakdown(capsys):
     ("--world-size 0", "argument --world-size: expected an integer >= 1, got '0'"),
     ("--batch-size -2", "argument --batch-size: expected an integer >= 1, got '-2'"),
     ("--seq-len 4k", "argument --seq-len: expected an integer >= 1, got '4k'"),
-    ("--strategy ddp --cpu-offload", "cpu_offload is modelled for the sharded strategies"),
+    ("--strategy ddp --cpu-offload", "--cpu-offload is modelled for the sharded strategies (fsdp1_*_shard, "
+                                     "fsdp2); use one of those or drop --cpu-offload"),
     ("--strategy fsdp1_hybrid_shard --world-size 12", "not a whole number of 8-GPU nodes: pass "
-                                                      "shard_group_size (GPUs per node, e.g. 6)"),
-    ("--strategy fsdp1_hybrid_shard --world-size 12 --shard-group-size 5", "shard_group_size (5) must divide"),
+                                                      "--shard-group-size (GPUs per node, e.g. 6)"),
+    ("--strategy fsdp1_hybrid_shard --world-size 12 --shard-group-size 5", "--shard-group-size (5) must divide"),
+    ("--strategy fsdp2 --shard-group-size 4", "--shard-group-size is the shard group of fsdp1_hybrid_shard"),
+    ("--strategy ddp --no-reshard-after-forward", "--no-reshard-after-forward is FSDP2's switch"),
     ("--strategy fsdp1_hybrid_shard --shard-group-size 0", "argument --shard-group-size: expected an integer"),
 ])
 def test_cli_reports_bad_input_as_a_usage_error_without_a_traceback(argv, message, capsys):
@@ -374,6 +377,25 @@ def test_cli_reports_bad_input_as_a_usage_error_without_a_traceback(argv, messag
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: fsdp-lab estimate") and message in err and "Traceback" not in err
+
+
+def test_switches_an_estimate_would_ignore_or_misread_are_refused():
+    common = dict(world_size=8, param_dtype=torch.bfloat16, batch_size=1, seq_len=512)
+    for flag in ("qlora", "activation_checkpointing", "cpu_offload", "reshard_after_forward", "foreach"):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):  # "no" is truthy
+            estimate("llama2-7b", strategy="fsdp2", **common, **{flag: "no"})
+    for rank in (0, -4):  # a negative rank gave negative optimizer bytes; 0 dropped QLoRA's activation savings
+        with pytest.raises(ValueError, match=f"lora_rank must be a positive int, got {rank}"):
+            estimate("llama2-7b", strategy="fsdp2", qlora=True, lora_rank=rank, **common)
+    with pytest.raises(ValueError, match="HSDP under FSDP2 is not modelled"):
+        estimate("llama2-7b", strategy="fsdp2", shard_group_size=4, **common)
+    with pytest.raises(ValueError, match="FSDP1 keeps parameters gathered after forward with "
+                                         "strategy='fsdp1_shard_grad_op'"):
+        estimate("llama2-7b", strategy="fsdp1_full_shard", reshard_after_forward=False, **common)
+    with pytest.raises(TypeError, match=r"pass LlamaConfig.from_hf\(...\)"):
+        estimate({"model_type": "llama", "hidden_size": 64}, strategy="fsdp2", **common)
+    with pytest.raises(ValueError, match=r"unknown Llama config '/models/Llama-3-8B'.*LlamaConfig.from_hf"):
+        estimate("/models/Llama-3-8B", strategy="fsdp2", **common)
 
 
 def test_cli_passes_the_hybrid_shard_group_on(capsys):

@@ -48,6 +48,21 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# estimate()'s argument names, as this command spells them (longer names first)
+_FLAGS = (("cpu_offload=False", "drop --cpu-offload"), ("cpu_offload", "--cpu-offload"),
+          ("reshard_after_forward=False", "--no-reshard-after-forward"),
+          ("reshard_after_forward", "--no-reshard-after-forward"), ("shard_group_size", "--shard-group-size"),
+          ("world_size", "--world-size"), ("batch_size", "--batch-size"), ("seq_len", "--seq-len"))
+
+
+def as_flags(message: str) -> str:
+    """``message`` (an error of ``estimate()``) with its argument names replaced by this command's
+    flags, so the fix it names is one the user can type."""
+    for name, flag in _FLAGS:
+        message = message.replace(name, flag)
+    return message
+
+
 def run_estimate(args: argparse.Namespace) -> str:
     """Run the estimate described by parsed ``args``; print and return the table (text).
 
@@ -70,7 +85,7 @@ def run_estimate(args: argparse.Namespace) -> str:
         usage_error = getattr(args, "usage_error", None)
         if usage_error is None:
             raise
-        usage_error(str(error))
+        usage_error(as_flags(str(error)))
     header = (f"{config.name} ({count_parameters(config) / 1e9:.2f} B parameters), {args.strategy}, "
               f"world size {args.world_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
               f"{args.param_dtype}{', QLoRA' if args.qlora else ''}{', checkpointing' if args.ac else ''}")

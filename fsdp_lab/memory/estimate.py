@@ -39,10 +39,10 @@ import math
 
 import torch
 
-from fsdp_lab.checks import check_positive_int
+from fsdp_lab.checks import check_bool, check_positive_int
 from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.memory.tags import CATEGORIES
-from fsdp_lab.models.llama import LlamaConfig, count_parameters
+from fsdp_lab.models.llama import CONFIGS, LlamaConfig, count_parameters
 
 STRATEGIES = ("ddp", "fsdp1_full_shard", "fsdp1_shard_grad_op", "fsdp1_no_shard",
               "fsdp1_hybrid_shard", "fsdp2")
@@ -224,11 +224,22 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     (4 bytes per trainable tensor) in host memory (PyTorch's default, neither capturable nor
     fused), so they are not the device's.
 
-    Raises ValueError for an unknown strategy/optimizer/device, bad sizes or non-float dtypes,
-    and for a ``fsdp1_hybrid_shard`` world that ``shard_group_size`` (or 8) does not divide.
+    Raises ValueError for an unknown strategy/optimizer/device, bad sizes (``lora_rank`` too,
+    with ``qlora``), non-float dtypes, a switch the
+    strategy has no use for (``shard_group_size`` but for ``fsdp1_hybrid_shard``,
+    ``reshard_after_forward=False`` but for ``fsdp2``), and for a ``fsdp1_hybrid_shard`` world that
+    ``shard_group_size`` (or 8) does not divide; TypeError for a config that is neither a
+    ``LlamaConfig`` nor a known name, and for a switch that is not True or False.
     """
     if isinstance(config, str):
         config = LlamaConfig.from_name(config)
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"config must be a LlamaConfig or one of the names {', '.join(CONFIGS)}, got a "
+                        f"{type(config).__name__}; for a Hugging Face model (its folder, config.json, a dict or a "
+                        f"transformers config) pass LlamaConfig.from_hf(...)")
+    for name, value in (("activation_checkpointing", activation_checkpointing), ("cpu_offload", cpu_offload),
+                        ("qlora", qlora), ("reshard_after_forward", reshard_after_forward), ("foreach", foreach)):
+        check_bool(name, value)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
     if optimizer not in OPTIMIZERS:
@@ -237,6 +248,15 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         raise ValueError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
     for name, value in (("world_size", world_size), ("batch_size", batch_size), ("seq_len", seq_len)):
         check_positive_int(name, value)
+    if qlora:
+        check_positive_int("lora_rank", lora_rank)
+    if shard_group_size is not None and strategy != "fsdp1_hybrid_shard":
+        raise ValueError(f"shard_group_size is the shard group of fsdp1_hybrid_shard, not of {strategy!r}. HSDP "
+                         f"under FSDP2 is not modelled: a rank holds about what fsdp2 at "
+                         f"world_size={shard_group_size} gives it")
+    if not reshard_after_forward and strategy != "fsdp2":
+        raise ValueError(f"reshard_after_forward is FSDP2's switch; {strategy!r} does not read it (FSDP1 keeps "
+                         f"parameters gathered after forward with strategy='fsdp1_shard_grad_op')")
     p = _bytes_of(param_dtype)
     g = _bytes_of(grad_dtype if grad_dtype is not None else param_dtype)
     c = _bytes_of(compute_dtype if compute_dtype is not None else param_dtype)

@@ -85,8 +85,15 @@ def llama_fields_from_hf(source: Any) -> dict[str, Any]:
     """
     fields, name = _as_dict(source)
     missing = [k for k in REQUIRED if fields.get(k) is None]
+    if missing and isinstance(fields.get("text_config"), dict):
+        raise ValueError(f"the config has no {', '.join(missing)} at its top level, but a text_config (a "
+                         f"multimodal model's language part): pass that, from_hf(config['text_config'])")
     if missing:
         raise ValueError(f"the config has no {', '.join(missing)}: is it a causal language model's config.json?")
+    for key in (*REQUIRED, "num_key_value_heads", "max_position_embeddings", "head_dim"):
+        value = fields.get(key)  # named as the config names them (LlamaConfig's names differ)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"the config's {key} must be a positive int, got {value!r}")
     reason = _refusal(fields)
     if reason is not None:
         raise ValueError(f"cannot estimate {name!r} as a Llama: {reason}; an estimate from these shapes "

@@ -75,7 +75,8 @@ class LlamaConfig:
         Raises ValueError for an unknown name (the message lists the known ones) or bad overrides.
         """
         if name not in CONFIGS:
-            raise ValueError(f"unknown Llama config {name!r}; known configs: {', '.join(CONFIGS)}")
+            raise ValueError(f"unknown Llama config {name!r}; known configs: {', '.join(CONFIGS)}; for a Hugging "
+                             f"Face model (its folder, config.json or a dict) use LlamaConfig.from_hf(...)")
         return dataclasses.replace(CONFIGS[name], **overrides)
 
     @classmethod

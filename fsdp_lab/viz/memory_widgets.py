@@ -127,7 +127,9 @@ class MemoryExplorer:
                         param_dtype=DTYPES[s["param_dtype"]], grad_dtype=grad, optimizer=s["optimizer"],
                         batch_size=s["batch_size"], seq_len=s["seq_len"],
                         activation_checkpointing=s["activation_checkpointing"], cpu_offload=s["cpu_offload"],
-                        qlora=s["qlora"], reshard_after_forward=s["reshard_after_forward"])
+                        qlora=s["qlora"],
+                        # FSDP2's switch: other strategies leave the box alone, as they do GPUs/node
+                        reshard_after_forward=s["reshard_after_forward"] or s["strategy"] != "fsdp2")
 
     def figure(self, settings: dict | None = None):
         """(Figure, text): estimated bars, beside measured ones when this setting was measured."""
