@@ -42,8 +42,22 @@ IN_LAUNCH_ENV = "FSDP_LAB_IN_LAUNCH"
 
 def cpu_forced() -> bool:
     """True when ``FSDP_LAB_DEVICE=cpu`` asks for CPU ranks and a CPU ``current_device()``
-    even where GPUs are visible."""
-    return os.environ.get(DEVICE_ENV) == "cpu"
+    even where GPUs are visible. Raises ValueError for a value that is not a device."""
+    forced = _forced_device()
+    return forced is not None and forced.type == "cpu"
+
+
+def _forced_device() -> torch.device | None:
+    """The device ``FSDP_LAB_DEVICE`` names ("cpu"; ``launch`` sets "cuda:i" in its GPU ranks),
+    None when unset. Raises ValueError for another value, naming the variable."""
+    value = os.environ.get(DEVICE_ENV)
+    if not value:
+        return None
+    index = value.removeprefix("cuda:") if value.startswith("cuda:") else ""
+    if value not in ("cpu", "cuda") and not index.isdigit():
+        raise ValueError(f"{DEVICE_ENV}={value!r} is not a device fsdp_lab runs on: set it to cpu (CPU ranks and "
+                         f"a CPU current_device() where GPUs are visible), or unset it")
+    return torch.device(value)
 
 
 def _visible_gpus() -> int:
@@ -129,9 +143,9 @@ def current_device() -> torch.device:
     Inside ``launch`` it is the device launch assigned; under torchrun it follows LOCAL_RANK
     and the backend; outside any process group it is cuda:current when a GPU exists, else cpu.
     """
-    forced = os.environ.get(DEVICE_ENV)
-    if forced:
-        return torch.device(forced)
+    forced = _forced_device()
+    if forced is not None:
+        return forced
     if dist.is_initialized() and not is_simulated():
         local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
         return device_for_rank(local_rank, backend_for("cuda"))
@@ -198,7 +212,7 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
     group already exists it is kept. Returns ``(rank, world_size)``.
 
     Raises:
-        RuntimeError: the torchrun variables are missing.
+        RuntimeError: the torchrun variables are missing, or one is not an integer in its range.
         ValueError: as :func:`choose_backend`.
     """
     if dist.is_initialized():
@@ -211,10 +225,11 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
             "run under torchrun (torchrun --nproc-per-node N script.py) or use "
             "fsdp_lab.launch(fn, world_size=N) from a notebook or script."
         )
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    world_size = _int_from_env("WORLD_SIZE", at_least=1)
+    rank = _int_from_env("RANK", at_least=0, below=world_size, below_name="WORLD_SIZE")
+    local_world_size = _int_from_env("LOCAL_WORLD_SIZE", world_size, at_least=1)
+    local_rank = _int_from_env("LOCAL_RANK", rank % local_world_size, at_least=0, below=local_world_size,
+                               below_name="LOCAL_WORLD_SIZE")
     backend = choose_backend(local_world_size, backend)
     if "LOCAL_WORLD_SIZE" in os.environ and local_world_size == world_size:
         bind_gloo_to_loopback()  # every rank is on this node (torchrun --standalone or --nnodes 1)
@@ -231,6 +246,31 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
         device_id=device_id,
     )
     return rank, world_size
+
+
+def _int_from_env(name: str, default: int | None = None, *, at_least: int, below: int | None = None,
+                  below_name: str = "") -> int:
+    """The integer environment variable ``name`` (``default`` when unset). Raises RuntimeError,
+    naming the variable, for a value that is not an integer, under ``at_least``, or not under
+    ``below`` (the value of ``below_name``)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    problem = None
+    try:
+        value = int(raw)
+    except ValueError:
+        problem = "is not an integer"
+    else:
+        if value < at_least:
+            problem = f"is below {at_least}"
+        elif below is not None and value >= below:
+            problem = f"is not below {below_name}={below}"
+    if problem:
+        raise RuntimeError(f"{name}={raw!r} {problem}: torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and "
+                           f"LOCAL_WORLD_SIZE itself; where you set them by hand, each rank needs "
+                           f"0 <= RANK < WORLD_SIZE and 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE")
+    return value
 
 
 def exit_distributed(code: int = 0) -> NoReturn:

@@ -307,6 +307,11 @@ def check_launch(timeout: float = 120.0) -> Check:
         results = launch(_all_reduce_probe, world_size=2, timeout=timeout)
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
+        if type(error).__name__ == "LaunchTimeout":
+            return Check("2-rank launch", "FAIL", f"LaunchTimeout: {first_line}",
+                         f"two ranks did not finish one all-reduce in {timeout:g} s: on a busy or slow machine "
+                         f"give them longer (--launch-timeout SECONDS); else see the full report with "
+                         f"`python -c 'import fsdp_lab; fsdp_lab.launch(print, 1, world_size=2)'`")
         return Check("2-rank launch", "FAIL", f"{type(error).__name__}: {first_line}",
                      "make sure 127.0.0.1 (loopback) accepts local TCP connections and child "
                      "processes may start; see the full error with "
@@ -314,7 +319,7 @@ def check_launch(timeout: float = 120.0) -> Check:
     if results != [3.0, 3.0]:
         return Check("2-rank launch", "FAIL", f"all-reduce of 1+2 gave {results}, expected [3.0, 3.0]",
                      "the collective backend is broken: reinstall torch")
-    return Check("2-rank launch", "OK", f"all-reduce on 2 ranks over {backend} gives 3.0")
+    return Check("2-rank launch", "OK", f"all-reduce of 1 and 2 on 2 ranks over {backend} gives 3.0")
 
 
 # Each check is looked up here by name when the doctor runs, so a test can replace one.
@@ -323,6 +328,18 @@ CHECKS: list[str] = [
     "check_jupyterlab", "check_ipykernel", "check_ipywidgets", "check_widgets_extension", "check_nbval",
     "check_pytest_xdist", "check_cpp_toolchain", "check_matplotlib",
 ]
+
+
+def positive_seconds(text: str) -> float:
+    """argparse ``type`` for a timeout: the finite number of seconds above 0 in ``text``. Raises
+    argparse.ArgumentTypeError, which argparse turns into a usage error, for anything else."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
 
 
 def iter_checks(launch: bool = True, launch_timeout: float = 120.0) -> Iterator[Check]:
@@ -354,7 +371,7 @@ def add_doctor_parser(subparsers) -> argparse.ArgumentParser:
                     "one line per check (OK/WARN/FAIL). Exit code 0 when nothing FAILs.")
     parser.add_argument("--no-launch", action="store_true",
                         help="skip the 2-rank launch check (it starts two Python processes)")
-    parser.add_argument("--launch-timeout", type=float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--launch-timeout", type=positive_seconds, default=120.0, metavar="SECONDS",
                         help="time limit for the 2-rank launch check (default: %(default)s)")
     parser.set_defaults(func=run_doctor)
     return parser

@@ -31,7 +31,7 @@ import signal
 import socket
 import sys
 
-import torch  # noqa: F401 - imported once here so that forked ranks start without importing it
+import torch  # imported once here so that forked ranks start without importing it
 
 from fsdp_lab import launch_rank
 from fsdp_lab.forkserver import RANK_FDS
@@ -102,6 +102,7 @@ def _fork_rank(sock: socket.socket, spec: dict, env: dict, fds: list[int], pidfd
             random.seed()
             if "numpy.random" in sys.modules:
                 sys.modules["numpy.random"].seed()
+            torch.seed()  # unseeded torch.rand / dropout must differ by rank, as in spawned ranks
             launch_rank.main(dict(spec, **dict(zip(RANK_FDS, fds[:len(RANK_FDS)]))))
         finally:
             os._exit(1)  # main never returns; anything raised before it must not run on here

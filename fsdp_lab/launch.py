@@ -352,7 +352,8 @@ def _timeout_error(ranks: list[RankHandle], waiting: set[int], timeout: float,
         head = (f"deadlock: the ranks wait in different collectives, which can never complete; "
                 f"stopped after {deadlock_after:.0f} s instead of waiting for the {timeout:g} s timeout")
     lines = [f"{head}; ranks still running: "
-             f"{', '.join(map(str, sorted(waiting)))}. The collective each rank waits in (else the last it entered):"]
+             f"{', '.join(map(str, sorted(waiting)))}. The collective each rank waits in, else the last it entered "
+             f"(of fsdp_lab.collectives' calls: torch.distributed's own are not seen):"]
     for rank in ranks:
         state = "" if rank.rank in waiting else " (finished)"
         lines.append(f"  rank {rank.rank}{state}: {last[rank.rank]}")

@@ -2,6 +2,7 @@
 
 import datetime
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -210,6 +211,29 @@ def test_init_distributed_without_torchrun_says_what_to_do(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match=r"run under torchrun .* or use\s+fsdp_lab.launch"):
         init_distributed()
+
+
+@pytest.mark.parametrize("env,words", [
+    (dict(RANK="3", WORLD_SIZE="2"), "RANK='3' is not below WORLD_SIZE=2"),  # waited for rank 3 until the timeout
+    (dict(RANK="abc", WORLD_SIZE="2"), "RANK='abc' is not an integer"),
+    (dict(RANK="0", WORLD_SIZE="0"), "WORLD_SIZE='0' is below 1"),
+    (dict(RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="x"), "LOCAL_WORLD_SIZE='x' is not an integer"),
+    (dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="2", LOCAL_WORLD_SIZE="2"), "LOCAL_RANK='2' is not below"),
+])
+def test_init_distributed_names_a_torchrun_variable_out_of_range(monkeypatch, env, words):
+    monkeypatch.setattr(os, "environ", dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("initialised"))
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        init_distributed(timeout=5)
+
+
+@pytest.mark.parametrize("value", ["gpu", "CPU", "cuda:x"])
+def test_a_device_override_that_is_no_device_names_the_variable(monkeypatch, value):
+    monkeypatch.setenv(fdist.DEVICE_ENV, value)
+    with pytest.raises(ValueError, match=f"FSDP_LAB_DEVICE='{value}' is not a device fsdp_lab runs on: set it to cpu"):
+        current_device()
+    monkeypatch.setenv(fdist.DEVICE_ENV, "cpu")
+    assert current_device() == torch.device("cpu") and fdist.cpu_forced()
 
 
 def test_init_distributed_under_torchrun(tmp_path):

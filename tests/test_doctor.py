@@ -242,6 +242,26 @@ def test_failed_launch_names_the_fix(monkeypatch):
     assert "127.0.0.1" in check.fix and "fsdp_lab.launch(print, 1, world_size=2)" in check.fix
 
 
+def test_a_launch_that_runs_out_of_time_asks_for_more_time(monkeypatch):
+    launch_module = importlib.import_module("fsdp_lab.launch")
+
+    def slow(*args, **kwargs):
+        raise launch_module.LaunchTimeout("launch timed out after 0.5 s; ranks still running: 0, 1", [])
+
+    monkeypatch.setattr(launch_module, "launch", slow)
+    check = doctor.check_launch(timeout=0.5)
+    assert check.status == "FAIL" and "did not finish one all-reduce in 0.5 s" in check.fix
+    assert "--launch-timeout SECONDS" in check.fix and "loopback" not in check.fix
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_launch_timeout_that_is_no_time_is_a_usage_error(capsys, value):
+    with pytest.raises(SystemExit) as info:
+        run(capsys, "--launch-timeout", value)
+    assert info.value.code == 2
+    assert f"--launch-timeout: expected a number of seconds above 0, got '{value}'" in capsys.readouterr().err
+
+
 def test_real_two_rank_all_reduce_sums_one_plus_two(capsys):
     code, out = run(capsys, "--launch-timeout", "120")
     assert code == 0, out

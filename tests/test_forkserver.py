@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_lab import forkserver
 from fsdp_lab.launch import launch, start_fork_server
@@ -21,6 +22,7 @@ def _who(variable=None):
     import torch.distributed as dist
     return {"rank": dist.get_rank(), "pid": os.getpid(), "parent": os.getppid(),
             "value": os.environ.get(variable) if variable else None, "random": random.random(),
+            "torch_random": torch.rand(1).item(),
             "parent_cmdline": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()}
 
 
@@ -35,8 +37,10 @@ def test_ranks_fork_from_one_server_with_the_environment_of_each_launch(monkeypa
     assert [r["value"] for r in second] == ["42", "42"]
     pids = [r["pid"] for r in first + second]
     assert len(set(pids)) == 4 and not any(alive(pid) for pid in pids)
-    # a fresh interpreter seeds Python's random module from the OS: no two ranks share a stream
+    # a fresh interpreter seeds Python's and torch's random numbers from the OS: no two ranks
+    # share a stream (unseeded data or dropout masks would otherwise repeat on every rank)
     assert len({r["random"] for r in first + second}) == 4
+    assert len({r["torch_random"] for r in first + second}) == 4
 
 
 def test_a_variable_read_at_import_time_starts_a_new_server(monkeypatch):
