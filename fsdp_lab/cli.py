@@ -20,6 +20,7 @@ import argparse
 import importlib
 import platform
 import re
+import os
 import sys
 import time
 from typing import Callable, Sequence
@@ -62,7 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    status = args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+    except BrokenPipeError:  # `fsdp-lab lab list | head`: the reader left; stop quietly, as a pipe expects
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # what a shell reports for a process ended by SIGPIPE
     return status if isinstance(status, int) else 0
 
 
@@ -76,6 +82,10 @@ def _all_reduce_ones() -> float:
     return t.item()
 
 
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 def _describe_auto(world_size: int) -> str:
     backend, n_gpus = choose_backend(world_size), torch.cuda.device_count()
     if cpu_forced():
@@ -83,7 +93,7 @@ def _describe_auto(world_size: int) -> str:
     if backend == "nccl":
         return "nccl, one GPU per rank"
     if n_gpus:
-        return (f"gloo, {world_size} ranks share {n_gpus} GPU(s) "
+        return (f"gloo, {_ranks(world_size)} share {n_gpus} GPU(s) "
                 "(CUDA tensors staged through host memory)")
     return "gloo on CPU"
 
@@ -100,7 +110,7 @@ def _env(args: argparse.Namespace) -> int:
     yes_no = {True: "yes", False: "no"}
     rows.append(("gloo", yes_no[dist.is_gloo_available()]))
     rows.append(("nccl", yes_no[dist.is_nccl_available()]))
-    rows.append((f"auto backend, {args.world_size} ranks", _describe_auto(args.world_size)))
+    rows.append((f"auto backend, {_ranks(args.world_size)}", _describe_auto(args.world_size)))
     for name, value in rows:
         print(f"{name:<24} {value}")
 
@@ -114,7 +124,7 @@ def _env(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     ok = sums == [float(args.world_size)] * args.world_size
     verdict = "ok" if ok else f"WRONG (expected {float(args.world_size)} on every rank)"
-    print(f"{'launch':<24} {args.world_size} ranks, all_reduce of ones -> {sums}: {verdict} "
+    print(f"{'launch':<24} {_ranks(args.world_size)}, all_reduce of ones -> {sums}: {verdict} "
           f"in {seconds:.2f} s")
     return 0 if ok else 1
 
@@ -158,7 +168,7 @@ def _human(nbytes: float) -> str:
 def _bench(args: argparse.Namespace) -> int:
     rows = bandwidth.benchmark(args.op, args.sizes, world_size=args.world_size)
     print(f"{'op':<16}{'size':>12}{'time (us)':>12}{'algbw (GB/s)':>14}{'busbw (GB/s)':>14}"
-          f"   ({args.world_size} ranks)")
+          f"   ({_ranks(args.world_size)})")
     for row in rows:
         print(f"{row['op']:<16}{_human(row['bytes']):>12}{row['time_s'] * 1e6:>12.1f}"
               f"{row['algbw_GBps']:>14.3f}{row['busbw_GBps']:>14.3f}")
