@@ -227,7 +227,8 @@ def test_init_distributed_names_a_torchrun_variable_out_of_range(monkeypatch, en
         init_distributed(timeout=5)
 
 
-@pytest.mark.parametrize("value", ["gpu", "CPU", "cuda:x"])
+# ids without "gpu": pytest's keywords include the ids, and the suite skips what says "gpu" without one
+@pytest.mark.parametrize("value", ["gpu", "CPU", "cuda:x"], ids=["a-word", "upper-case", "bad-index"])
 def test_a_device_override_that_is_no_device_names_the_variable(monkeypatch, value):
     monkeypatch.setenv(fdist.DEVICE_ENV, value)
     with pytest.raises(ValueError, match=f"FSDP_LAB_DEVICE='{value}' is not a device fsdp_lab runs on: set it to cpu"):
