@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from fsdp_lab import bandwidth, cli, collectives
+from fsdp_lab import bandwidth, cli
 from fsdp_lab import dist as fdist
 
 
