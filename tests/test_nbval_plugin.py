@@ -139,7 +139,7 @@ def test_a_relative_path_is_found_from_the_root_only_when_missing_here(tmp_path,
     assert nbval_plugin.from_root(None, tmp_path) is None
 
 
-def test_only_deaths_at_start_are_retried_and_not_for_ever():
+def test_only_deaths_and_silences_at_start_are_retried_and_not_for_ever():
     calls = []
 
     def start(*args, **kwargs):
@@ -151,8 +151,13 @@ def test_only_deaths_at_start_are_retried_and_not_for_ever():
         nbval_plugin.retrying(start)(kernel_name="python3")
     assert len(calls) == nbval_plugin.ATTEMPTS and calls[0] == {"kernel_name": "python3"}
     calls.clear()
-    message = "Kernel didn't respond in 60 seconds"  # alive but slow: not started again
+    message = "Kernel didn't respond in 60 seconds"  # alive but silent (jupyter_client's words)
     with pytest.raises(RuntimeError, match="respond"):
+        nbval_plugin.retrying(start)()
+    assert len(calls) == nbval_plugin.ATTEMPTS
+    calls.clear()
+    message = "No such kernel named python9"  # anything else: at once
+    with pytest.raises(RuntimeError, match="python9"):
         nbval_plugin.retrying(start)()
     assert len(calls) == 1
 

@@ -8,16 +8,18 @@ It does four things nbval does not:
   repository root (``labs/nbval_sanitize.cfg``), and nbval opens it relative to the current
   directory; from ``labs/`` (where a terminal opened in JupyterLab starts) every cell errored
   with FileNotFoundError. A relative path that is not there is looked up from pytest's root.
-* **A kernel that dies before it answers is started again.** nbval starts each notebook's
-  kernel once (its ``start_new_kernel``); if that kernel exits before it replies, every cell of
-  the notebook is reported as an error. One way a kernel dies at start is a port taken under it:
+* **A kernel that dies or stays silent before it answers is started again.** nbval starts each
+  notebook's kernel once (its ``start_new_kernel``); if that kernel exits before it replies, or
+  does not reply within nbval's startup timeout (60 s), every cell of the notebook is reported
+  as an error. One way a kernel dies at start is a port taken under it:
   jupyter_client picks free ports, closes them and hands them to the kernel, and on a machine
   where other processes open connections (the labs' own gloo ranks) one of them can be taken
   before the kernel binds it. JupyterLab survives this: its kernel restarter starts such a kernel
   again on new ports (``KernelRestarter.random_ports_until_alive``). Here: up to ``ATTEMPTS``
-  starts, each with new ports, for a kernel that died before replying. A kernel that is alive but
-  slow to reply (nbval's startup timeout) is not started again: that is a slow machine, and
-  waiting twice would not help.
+  starts, each with new ports, for a kernel that died or stayed silent before replying. Silence
+  was once taken for a slow machine and not retried, until a kernel alive but silent for the
+  whole 60 s (where one starts in about 3 s) errored every cell of lab 00 in a run of the test
+  command; nbval's shutdown of it, then new ports, is what a user's restart would do.
 * **Lab kernels run one CPU thread** (``OMP_NUM_THREADS=1`` unless the environment sets it;
   their ranks then take one each too, see ``fsdp_lab.launch_rank.rank_threads``). Under nbval
   the labs share the machine with other notebooks, their ranks and pytest's workers; there a
@@ -41,15 +43,16 @@ import pathlib
 import pytest
 
 ATTEMPTS = 3
-DIED = "Kernel died before replying to kernel_info"  # jupyter_client's message for that case
+DIED = "Kernel died before replying to kernel_info"  # jupyter_client's messages for the two cases
+SILENT = "Kernel didn't respond in"
 NEEDS_COMPILER = "needs-cpp-compiler"  # the tag of a lab cell that runs torch.compile
 
 
 def retrying(start_new_kernel):
     """``start_new_kernel`` (jupyter_client's signature) that starts a kernel up to ``ATTEMPTS``
-    times while it dies before replying; each failed start has been shut down and cleaned up by
-    ``start_new_kernel`` itself. Raises the last RuntimeError when every attempt died, and any
-    other error at once."""
+    times while it dies or stays silent before replying; each failed start has been shut down and
+    cleaned up by ``start_new_kernel`` itself. Raises the last RuntimeError when every attempt
+    failed so, and any other error at once."""
 
     @functools.wraps(start_new_kernel)
     def start(*args, **kwargs):
@@ -57,7 +60,7 @@ def retrying(start_new_kernel):
             try:
                 return start_new_kernel(*args, **kwargs)
             except RuntimeError as error:
-                if DIED not in str(error) or attempt == ATTEMPTS:
+                if not (DIED in str(error) or SILENT in str(error)) or attempt == ATTEMPTS:
                     raise
     start.retries_kernel_deaths = True
     return start
