@@ -100,13 +100,14 @@ def test_other_modules_add_subcommands(capsys, monkeypatch):
 
 
 def test_output_into_a_pipe_closed_early_ends_quietly():
-    """`fsdp-lab lab list | head -1`: the reader is gone before the command writes; no traceback."""
+    """`python -m fsdp_lab lab list | head -1` (the `fsdp-lab` command run as a module): the reader
+    is gone before the command writes; no traceback."""
     import subprocess
 
     from _launch_helpers import env_with_repo
 
-    command = subprocess.Popen([sys.executable, "-c", "import sys; from fsdp_lab import cli; sys.exit(cli.main())",
-                                "lab", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_with_repo())
+    command = subprocess.Popen([sys.executable, "-m", "fsdp_lab", "lab", "list"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env_with_repo())
     command.stdout.close()  # the reader leaves at once
     _, err = command.communicate(timeout=120)
     assert command.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
