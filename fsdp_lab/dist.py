@@ -189,6 +189,25 @@ def loopback_interface() -> str | None:
     return next((name for name in ("lo", "lo0") if name in names), None)
 
 
+def check_gloo_interface() -> None:
+    """Check that ``GLOO_SOCKET_IFNAME``, where set, names network interfaces this machine has
+    (gloo takes a comma-separated list). Raises ValueError naming the variable, the interfaces it
+    lacks and those it has; gloo itself would fail later, in every rank, naming only the interface."""
+    value = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not value:
+        return
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # the system cannot list them: leave it to gloo
+        return
+    unknown = [name for name in value.split(",") if name not in names]
+    if unknown:
+        raise ValueError(
+            f"GLOO_SOCKET_IFNAME={value!r} names no network interface of this machine "
+            f"({', '.join(unknown)}; it has {', '.join(names)}): unset it (on one machine ranks "
+            f"connect over loopback, {loopback_interface() or 'lo'}) or name one of those")
+
+
 def bind_gloo_to_loopback() -> None:
     """Have gloo, in this process, connect its ranks over the loopback interface (sets
     ``GLOO_SOCKET_IFNAME``; a value already set is kept). Call it only where every rank of the
@@ -213,7 +232,7 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
 
     Raises:
         RuntimeError: the torchrun variables are missing, or one is not an integer in its range.
-        ValueError: as :func:`choose_backend`.
+        ValueError: as :func:`choose_backend`, or as :func:`check_gloo_interface`.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -231,6 +250,7 @@ def init_distributed(backend: str = "auto", timeout: float = 1800.0) -> tuple[in
     local_rank = _int_from_env("LOCAL_RANK", rank % local_world_size, at_least=0, below=local_world_size,
                                below_name="LOCAL_WORLD_SIZE")
     backend = choose_backend(local_world_size, backend)
+    check_gloo_interface()
     if "LOCAL_WORLD_SIZE" in os.environ and local_world_size == world_size:
         bind_gloo_to_loopback()  # every rank is on this node (torchrun --standalone or --nnodes 1)
     device_id = None

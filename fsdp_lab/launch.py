@@ -116,7 +116,8 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
             message names the global, closure variable or argument, and what to do).
         ValueError: bad ``world_size``, ``backend``, ``timeout`` or ``print_ranks``; NCCL
             asked for with fewer GPUs than ranks; ``FSDP_LAB_LAUNCH_START`` in the environment
-            is neither "fork" nor "spawn". Raised before any process starts.
+            is neither "fork" nor "spawn"; ``GLOO_SOCKET_IFNAME`` names an interface this
+            machine lacks. Raised before any process starts.
         RuntimeError: the fork server could not start (its error is printed; the message says
             how to start ranks without it).
         LaunchError: a rank raised (message names the rank and carries its traceback) or
@@ -129,6 +130,7 @@ def launch(fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str
     """
     require_posix()
     backend = fdist.choose_backend(world_size, backend)
+    fdist.check_gloo_interface()
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on each rank, got {fn!r}")
     if not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:

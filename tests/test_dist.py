@@ -283,9 +283,15 @@ def test_init_distributed_binds_gloo_to_loopback_only_when_every_rank_is_on_this
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: seen.append(env.get("GLOO_SOCKET_IFNAME")))
     assert init_distributed(backend="gloo") == (0, 4)
     assert seen == [loopback_interface() if bound else None]
+    monkeypatch.setattr(fdist.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth7")])
     env.update(GLOO_SOCKET_IFNAME="eth7", LOCAL_WORLD_SIZE="4")  # a value the user set is kept
     init_distributed(backend="gloo")
     assert seen[-1] == "eth7"
+    env.update(GLOO_SOCKET_IFNAME="eth9")  # one the machine lacks: named before gloo fails on it
+    with pytest.raises(ValueError, match=r"GLOO_SOCKET_IFNAME='eth9' names no network interface of this "
+                                         r"machine \(eth9; it has lo, eth7\): unset it"):
+        init_distributed(backend="gloo")
+    assert len(seen) == 2
 
 
 def test_package_exports():

@@ -125,9 +125,21 @@ def test_gloo_binds_to_loopback_whatever_the_host_name_resolves_to(runs):
 
 
 def test_a_gloo_interface_the_caller_set_is_kept(monkeypatch):
+    import fsdp_lab.dist
+
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface")  # gloo must use it, and fails
+    monkeypatch.setattr(fsdp_lab.dist, "check_gloo_interface", lambda: None)  # past launch's own check
     with pytest.raises(LaunchError, match="Unable to find address for: no-such-interface"):
         launch(os.getpid, world_size=1, timeout=120)
+
+
+def test_a_gloo_interface_the_machine_lacks_is_named_before_any_rank_starts(monkeypatch):
+    names = [name for _, name in socket.if_nameindex()]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", f"{names[0]},no-such-interface")
+    with pytest.raises(ValueError, match=r"GLOO_SOCKET_IFNAME=.*no-such-interface; it has .*: unset it"):
+        launch(os.getpid, world_size=1, timeout=120)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback_interface())  # a real one: accepted
+    assert len(launch(os.getpid, world_size=1, timeout=120)) == 1
 
 
 def test_a_set_omp_num_threads_caps_a_rank_s_threads(runs):
