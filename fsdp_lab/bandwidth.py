@@ -55,13 +55,19 @@ def timed_on_all_ranks(call: Callable[[], object], device: torch.device) -> tupl
     return time.perf_counter() - start, value
 
 
+def measured_bytes(size: int, world_size: int) -> int:
+    """The size :func:`benchmark` measures for a requested ``size`` (bytes): whole float32
+    elements per rank, at least one."""
+    return max(1, size // (4 * world_size)) * 4 * world_size
+
+
 def _bench_rank(ops: list[str], sizes: list[int], warmup: int, iters: int) -> list[dict]:
     n = dist.get_world_size()
     device = current_device()
     rows = []
     for op in ops:
         for size in sizes:
-            per_rank = max(1, size // (4 * n))
+            per_rank = measured_bytes(size, n) // (4 * n)
             small = torch.ones(per_rank, device=device)
             big = torch.ones(per_rank * n, device=device)
             run = {
@@ -85,7 +91,9 @@ def benchmark(op: str | list[str], sizes: list[int], world_size: int = 2, *, bac
     """Measure collective bandwidth on ``world_size`` fresh ranks.
 
     ``op``: "all_gather", "reduce_scatter", "all_reduce", "broadcast", a list of them or
-    "all". ``sizes``: collective sizes S in bytes (float32 payload). Returns one row per
+    "all". ``sizes``: collective sizes S in bytes (float32 payload), each rounded down to whole
+    float32 elements per rank (a multiple of 4·world_size bytes, at least one element per rank;
+    a row's ``bytes`` is the size measured). Returns one row per
     (op, size): op, bytes, world_size, time_s (median over ``iters``, slowest rank),
     algbw_GBps, busbw_GBps (10^9 bytes/s). Raises ValueError for an unknown op.
     """

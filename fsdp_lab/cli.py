@@ -172,6 +172,12 @@ def _bench(args: argparse.Namespace) -> int:
     for row in rows:
         print(f"{row['op']:<16}{_human(row['bytes']):>12}{row['time_s'] * 1e6:>12.1f}"
               f"{row['algbw_GBps']:>14.3f}{row['busbw_GBps']:>14.3f}")
+    measured = {row["bytes"] for row in rows}
+    rounded = [f"{_human(asked)} -> {_human(bandwidth.measured_bytes(asked, args.world_size))}"
+               for asked in dict.fromkeys(args.sizes) if asked not in measured]
+    if rounded:
+        print(f"(sizes rounded to whole float32 elements per rank, a multiple of "
+              f"{4 * args.world_size} B: {', '.join(rounded)})")
     return 0
 
 

@@ -68,9 +68,11 @@ def test_bench_passes_arguments_through_and_prints_a_table(capsys, monkeypatch):
 
 
 def test_bench_runs_for_real(capsys):
-    assert cli.main(["bench", "--op", "all_reduce", "--sizes", "4K", "--world-size", "2"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [row[:3] for row in rows] == [["all_reduce", "4", "KiB"]]
+    assert cli.main(["bench", "--op", "all_reduce", "--sizes", "4K,3", "--world-size", "2"]) == 0
+    *rows, note = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    # 3 bytes is less than one float32 per rank: one each is measured (8 B), and the table says so
+    assert [row[:3] for row in rows] == [["all_reduce", "4", "KiB"], ["all_reduce", "8", "B"]]
+    assert " ".join(note) == "(sizes rounded to whole float32 elements per rank, a multiple of 8 B: 3 B -> 8 B)"
     time_us, algbw, busbw = map(float, rows[0][3:])
     # nccl-tests: algbw = S / t, busbw = algbw * 2(n-1)/n = algbw for n = 2 (rounded to 3 places)
     assert algbw == pytest.approx(4096 / (time_us * 1e-6) / 1e9, abs=1e-3)
