@@ -420,13 +420,13 @@ def test_lab_reset_execute_writes_the_learner_s_figures_not_the_shipped_ones(lab
 def test_lab_solution_and_list_say_where_things_are(labs_copy, capsys):
     from fsdp_lab import cli
 
-    assert cli.main(["lab", "--labs", str(labs_copy), "list"]) == 0
+    assert cli.main(["lab", "list", "--labs", str(labs_copy)]) == 0  # after the action, too
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows["00_start_here"] == ["2", "labs/solutions/00_start_here.ipynb"]
     assert rows["02_memory_anatomy"] == ["2", "-"] and rows["03_zero_by_hand"] == ["4", "-"]
     without = [lab for lab in rows if rows[lab][0] == "0"]  # labs not yet in workshop mode, if any
 
-    assert cli.main(["lab", "--labs", str(labs_copy), "solution", "start_here"]) == 0
+    assert cli.main(["lab", "--labs", "/no/such/labs", "solution", "start_here", "--labs", str(labs_copy)]) == 0
     assert f"jupyter lab {labs_copy / 'solutions' / '00_start_here.ipynb'}" in capsys.readouterr().out
     if without:
         assert cli.main(["lab", "--labs", str(labs_copy), "solution", without[0][:2]]) == 1

@@ -128,17 +128,22 @@ def add_lab_parser(subparsers) -> argparse.ArgumentParser:
     """``fsdp-lab lab list | reset NN [NN ...] [--execute] | solution NN``."""
     parser = subparsers.add_parser("lab", help="workshop: list the labs, reset one to the learner's "
                                                "copy, find its solution")
-    parser.add_argument("--labs", help="the labs folder (default: ./labs or the repository's)")
+    labs_help = "the labs folder (default: ./labs or the repository's)"
+    parser.add_argument("--labs", help=labs_help)
+    # `fsdp-lab lab reset 03 --labs PATH` too: each action takes it, and keeps one given before it
+    labs_after = argparse.ArgumentParser(add_help=False)
+    labs_after.add_argument("--labs", default=argparse.SUPPRESS, help=labs_help)
     actions = parser.add_subparsers(dest="action", title="actions", required=True)
-    actions.add_parser("list", help="every lab, its number of exercises and its solution").set_defaults(
-        func=_guard(_list))
-    reset_parser = actions.add_parser("reset", help="rebuild labs/NN_*.ipynb as shipped to learners "
-                                                    "(the replaced one goes to labs/.backup/)")
+    actions.add_parser("list", parents=[labs_after],
+                       help="every lab, its number of exercises and its solution").set_defaults(func=_guard(_list))
+    reset_parser = actions.add_parser("reset", parents=[labs_after],
+                                      help="rebuild labs/NN_*.ipynb as shipped to learners "
+                                           "(the replaced one goes to labs/.backup/)")
     reset_parser.add_argument("labs_to_reset", nargs="+", metavar="NN", help="lab number or name, e.g. 03")
     reset_parser.add_argument("--execute", action="store_true",
                               help="also run the notebook, as the shipped copy is (takes the lab's run time)")
     reset_parser.set_defaults(func=_guard(_reset))
-    solution_parser = actions.add_parser("solution", help="where the solved copy of a lab is")
+    solution_parser = actions.add_parser("solution", parents=[labs_after], help="where the solved copy of a lab is")
     solution_parser.add_argument("lab", metavar="NN", help="lab number or name, e.g. 03")
     solution_parser.set_defaults(func=_guard(_solution))
     return parser
