@@ -356,6 +356,28 @@ def test_cli_prints_the_breakdown(capsys):
     assert f"{est.total / 2**20:.3f} MiB" in text
 
 
+def test_cli_counts_a_small_model_and_fits_the_default_length_to_it(capsys):
+    from fsdp_lab import cli
+    from fsdp_lab.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig.from_name("cpu")
+    n = sum(p.numel() for p in Llama(config).parameters())  # counted on the module, by hand below
+    cli.main(["estimate", "--model", "cpu", "--world-size", "2", "--unit", "MiB"])
+    header, *rest = capsys.readouterr().out.splitlines()
+    (states,) = [line for line in rest if line.startswith("model states")]
+    # 0.87 million parameters, where "0.00 B" was printed; 128 tokens, the model's longest
+    assert header.startswith(f"cpu ({n / 1e3:.0f} K parameters), fsdp2, world size 2, batch 1 x 128 tokens")
+    assert 800_000 < n < 900_000
+    est = estimate("cpu", world_size=2, strategy="fsdp2", batch_size=1, seq_len=128, param_dtype=torch.bfloat16)
+    cli.main(["estimate", "--model", "cpu", "--world-size", "2", "--unit", "MiB", "--seq-len", "128"])
+    assert states in capsys.readouterr().out.splitlines() and f"{est.model_states / 2**20:.3f} MiB" in states
+    cli.main(["estimate", "--model", "cpu", "--world-size", "2", "--seq-len", "1000"])
+    assert ("note: 1000 tokens per sequence is past this model's max_seq_len (128): a what-if"
+            in capsys.readouterr().out)
+    cli.main(["estimate", "--model", "llama3-8b", "--world-size", "8"])  # its max is 8192: 4096 by default
+    assert "llama3-8b (8.03 B parameters), fsdp2, world size 8, batch 1 x 4096 tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     ("--world-size 0", "argument --world-size: expected an integer >= 1, got '0'"),
     ("--batch-size -2", "argument --batch-size: expected an integer >= 1, got '-2'"),

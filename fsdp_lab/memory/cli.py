@@ -16,6 +16,15 @@ from fsdp_lab.memory.results import unit_scale
 from fsdp_lab.models.llama import CONFIGS, LlamaConfig, count_parameters
 
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_SEQ_LEN = 4096
+
+
+def parameter_count(n: int) -> str:
+    """A parameter count as a model card writes it: "6.74 B", "12.5 M", "3 K" (powers of 1000)."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g} {suffix}" if n < 100 * scale else f"{n / scale:.0f} {suffix}"
+    return str(n)
 
 
 def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,7 +39,8 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=positive_int, default=8, help="number of ranks")
     p.add_argument("--strategy", default="fsdp2", choices=STRATEGIES)
     p.add_argument("--batch-size", type=positive_int, default=1, help="sequences per rank")
-    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence")
+    p.add_argument("--seq-len", type=positive_int, default=None,
+                   help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's max_seq_len if shorter)")
     p.add_argument("--param-dtype", default="bfloat16", choices=DTYPES, help="parameter storage dtype")
     p.add_argument("--grad-dtype", default=None, choices=DTYPES, help="gradient dtype (default: param dtype)")
     p.add_argument("--compute-dtype", default=None, choices=DTYPES, help="activation dtype (default: param dtype)")
@@ -72,12 +82,13 @@ def run_estimate(args: argparse.Namespace) -> str:
     """
     try:
         config = LlamaConfig.from_hf(args.config) if args.config else LlamaConfig.from_name(args.model)
+        seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.max_seq_len)
         breakdown = estimate(
             config, world_size=args.world_size, strategy=args.strategy,
             param_dtype=getattr(torch, args.param_dtype),
             grad_dtype=getattr(torch, args.grad_dtype) if args.grad_dtype else None,
             compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
-            optimizer=args.optimizer, batch_size=args.batch_size, seq_len=args.seq_len,
+            optimizer=args.optimizer, batch_size=args.batch_size, seq_len=seq_len,
             activation_checkpointing=args.ac, cpu_offload=args.cpu_offload, qlora=args.qlora,
             reshard_after_forward=not args.no_reshard_after_forward,
             shard_group_size=args.shard_group_size)
@@ -86,14 +97,17 @@ def run_estimate(args: argparse.Namespace) -> str:
         if usage_error is None:
             raise
         usage_error(as_flags(str(error)))
-    header = (f"{config.name} ({count_parameters(config) / 1e9:.2f} B parameters), {args.strategy}, "
-              f"world size {args.world_size}, batch {args.batch_size} x {args.seq_len} tokens per rank, "
+    header = (f"{config.name} ({parameter_count(count_parameters(config))} parameters), {args.strategy}, "
+              f"world size {args.world_size}, batch {args.batch_size} x {seq_len} tokens per rank, "
               f"{args.param_dtype}{', QLoRA' if args.qlora else ''}{', checkpointing' if args.ac else ''}")
     if args.strategy == "fsdp1_hybrid_shard":
         header += f", shard groups of {hybrid_shard_group_size(args.world_size, args.shard_group_size)} ranks"
     scale = unit_scale(args.unit)
     lines = [header, breakdown.table(args.unit),
              f"{'model states':<18}{breakdown.model_states / scale:>12.3f} {args.unit}"]
+    if seq_len > config.max_seq_len:
+        lines.append(f"note: {seq_len} tokens per sequence is past this model's max_seq_len "
+                     f"({config.max_seq_len}): a what-if, the model itself would refuse it")
     lines += [f"note: {n}" for n in breakdown.notes]
     text = "\n".join(lines)
     print(text)
