@@ -249,9 +249,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _enter(name: str, nbytes: int, dtype: torch.dtype, group_size: int) -> tuple | None:
-    """Note the collective as entered, just before it is issued. Returns what ``_run`` needs
-    to open its event (the recorder and its start mark), or None when nothing records."""
+def _enter(name: str, nbytes: int, dtype: torch.dtype, group_size: int,
+           before_issue: Callable[[], None] | None = None) -> tuple | None:
+    """Note the collective as entered, just before it is issued, after running ``before_issue``
+    (the caller's sync point: every buffer of the call exists by then). Returns what ``_run``
+    needs to open its event (the recorder and its start mark), or None when nothing records."""
+    if before_issue is not None:
+        before_issue()
     global _count, _last
     _count += 1
     _last = (name, _count, nbytes, dtype, group_size)
@@ -319,9 +323,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
     staged = _staging(input, info)
     if staged:
         host_out, host_in = output.cpu(), input.cpu()
-    if before_issue is not None:
-        before_issue()
-    entered = _enter(name, output.numel() * output.element_size(), input.dtype, n)
+    entered = _enter(name, output.numel() * output.element_size(), input.dtype, n, before_issue)
     if staged:
         works = _through_torch(_TORCH_ALL_GATHER, host_out, host_in, group=group, async_op=async_op)
         return _run(works, lambda: output.copy_(host_out), entered, async_op, lane, meta, staged=True)
@@ -360,9 +362,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
         )
     reduce_op = _reduce_op(op)
     if backend(info, input) != "gloo":
-        if before_issue is not None:
-            before_issue()
-        entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
+        entered = _enter(name, input.numel() * input.element_size(), input.dtype, n, before_issue)
         if direct(info, output, input):
             works = _issue(getattr(info.pg, REDUCE_SCATTER), async_op, output, input,
                            options(c10d.ReduceScatterOptions, async_op, reduce_op))
@@ -376,9 +376,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, *, op="sum"
     send = send.cpu() if staged else send
     in_place = input_is_scratch and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
     received = None if in_place else torch.empty_like(send)
-    if before_issue is not None:
-        before_issue()
-    entered = _enter(name, input.numel() * input.element_size(), input.dtype, n)
+    entered = _enter(name, input.numel() * input.element_size(), input.dtype, n, before_issue)
     if in_place:
         works, finish = _reduce_chunks_in_place(output, send, reduce_op, group, info, async_op)
         return _run(works, finish, entered, async_op, lane, meta, impl="reduce_per_chunk", staged=staged)
@@ -436,9 +434,7 @@ def all_reduce(tensor: torch.Tensor, *, op="sum", group=None, async_op: bool = F
     staged = gloo and tensor.is_cuda
     divide = gloo and reduce_op == dist.ReduceOp.AVG
     work_tensor = tensor.cpu() if staged else tensor
-    if before_issue is not None:
-        before_issue()
-    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n)
+    entered = _enter(name, tensor.numel() * tensor.element_size(), tensor.dtype, n, before_issue)
     backend_op = dist.ReduceOp.SUM if divide else reduce_op
     if direct(info, work_tensor):
         works = _issue(info.pg.allreduce, async_op, [work_tensor],
