@@ -123,6 +123,43 @@ def test_explicit_tags_and_scope_win(source):
 
 
 @SOURCES
+def test_an_untagged_storage_counts_as_an_untagged_one_from_then_on(source):
+    with MemoryTracker(source=source) as mt:
+        buf = tags.tag(torch.empty(250), "comm_buffers")
+        tags.untag(buf)
+        with tags.tag_scope("quantized"):
+            codes = tags.tag(torch.empty(100, dtype=torch.uint8), "comm_buffers")
+            tags.untag(codes)  # inside a scope: the scope's category, as a new storage there
+    assert nonzero(mt.current()) == {"temporaries": 1000, "quantized": 100}
+    del buf, codes
+
+
+def test_tag_takes_only_a_tensor():
+    with pytest.raises(TypeError, match="tag\\(\\) marks a tensor's storage; got list"):
+        tags.tag([1, 2], "grads")
+
+
+@SOURCES
+def test_entering_a_running_tracker_again_is_refused_and_leaves_it_running(source):
+    model = small_model()
+    before = torch.UntypedStorage.resize_
+    with MemoryTracker(model, source=source) as mt:
+        with pytest.raises(RuntimeError, match="already running: .* make a second MemoryTracker"):
+            with mt:
+                pass
+        model(torch.randn(4, 64)).sum().backward()
+    # the running measurement went on, and leaving undid everything entering did
+    assert mt.current()["grads"] == (64 * 128 + 128 * 32) * F32
+    assert torch.UntypedStorage.resize_ is before and not tags._listeners
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    with MemoryTracker(model, source=source) as again:  # a new tracker (and the profiler) work after
+        model(torch.randn(4, 64)).sum().backward()
+    assert again.peak_total() > 0
+    with torch.profiler.profile(profile_memory=True):
+        torch.ones(3)
+
+
+@SOURCES
 @pytest.mark.parametrize("batch_made", ["before tracking", "inside the step"])
 def test_saved_batch_counts_as_activations_wherever_it_was_made(batch_made, source):
     from fsdp_lab.models.data import global_batch
@@ -215,6 +252,22 @@ def test_fake_tensors_are_measured_without_memory():
     assert mt.current()["params"] == 4096 * 4096 * F32
     assert mt.current()["activations"] == 8 * 4096 * F32  # the input, saved by Linear
     del out
+
+
+def test_tags_set_while_tracking_fake_tensors_count_as_on_real_ones():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def run():  # a fake tensor's storage is on "meta": its tag must still reach the tracker
+        with MemoryTracker() as mt:
+            a = tags.tag(torch.empty(1000), "comm_buffers")
+            b = tags.tag(torch.empty(500), "sharded_grads")
+            c = torch.empty(250)
+        return nonzero(mt.current()), (a, b, c)
+
+    real, _ = run()
+    with FakeTensorMode():
+        fake, _ = run()
+    assert real == fake == {"comm_buffers": 4000, "sharded_grads": 2000, "temporaries": 1000}
 
 
 @pytest.mark.gpu

@@ -86,9 +86,9 @@ class AllocatorTracker(TrackerBase):
         for wrapper in self._ledger.roles(tensors, base, category_of):  # (books the plain ones itself)
             self._ledger.roles(_plain_tensors(wrapper), base, category_of, subclasses=True)
 
-    def _on_tag(self, st, category: str) -> None:
+    def _on_tag(self, st, category: str | None) -> None:
         if st.device.type == self._device_type:
-            self._stamp_role(st, category)
+            self._stamp_role(st, category or tags.current_scope() or "temporaries")
 
     def _on_scope(self, category: str | None) -> None:
         self._ledger.scope(category)
@@ -118,6 +118,7 @@ class AllocatorTracker(TrackerBase):
     # ---- context manager ---------------------------------------------------------------
 
     def __enter__(self):
+        self._check_not_running()
         if any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack()):
             raise ValueError("MemoryTracker(source='allocator') under FakeTensorMode: fake tensors allocate "
                              "nothing, so the allocator reports nothing; use source='dispatch' (the default)")

@@ -61,9 +61,12 @@ def tag(tensor: torch.Tensor, category: str) -> torch.Tensor:
     """Mark the storage behind ``tensor`` as belonging to ``category``; returns ``tensor``.
 
     Tensor subclasses that wrap inner tensors (DTensor, NF4Tensor) are tagged through
-    their inner tensors. Raises ValueError for a category not in ``CATEGORIES``.
+    their inner tensors. Raises ValueError for a category not in ``CATEGORIES``, TypeError when
+    ``tensor`` is not a tensor.
     """
     _check_category(category)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tag() marks a tensor's storage; got {type(tensor).__name__}")
     for storage in _storages(tensor):
         _tags[storage] = category
         for on_tag, _ in _listeners:
@@ -72,14 +75,19 @@ def tag(tensor: torch.Tensor, category: str) -> torch.Tensor:
 
 
 def untag(tensor: torch.Tensor) -> None:
-    """Forget the tag of every storage behind ``tensor`` (no error if none)."""
+    """Forget the tag of every storage behind ``tensor`` (no error if none). A running tracker
+    counts such a storage from then on as one allocated now without a tag (``temporaries``, or
+    the open ``tag_scope``'s category)."""
     for storage in _storages(tensor):
-        _tags.pop(storage, None)
+        if _tags.pop(storage, None) is not None:
+            for on_tag, _ in _listeners:
+                on_tag(storage, None)
 
 
-def add_listener(on_tag: Callable[[torch.UntypedStorage, str], None],
+def add_listener(on_tag: Callable[[torch.UntypedStorage, str | None], None],
                  on_scope: Callable[[str | None], None] | None = None) -> None:
-    """Until ``remove_listener(on_tag)``: call ``on_tag(storage, category)`` on every later ``tag``,
+    """Until ``remove_listener(on_tag)``: call ``on_tag(storage, category)`` on every later ``tag``
+    (``on_tag(storage, None)`` on an ``untag`` that removed one),
     and ``on_scope(category)``, when given, with the innermost ``tag_scope`` category (None
     outside any) each time a ``tag_scope`` block opens or closes."""
     _listeners.append((on_tag, on_scope))

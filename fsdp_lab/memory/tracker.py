@@ -92,7 +92,8 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
             first use and sees a few things differently (``memory.allocator_tracker`` lists them).
 
     Raises ValueError for a ``phase_modules`` name the model does not have, an unknown
-    ``source``, or a CUDA ``device`` when this process sees no GPU.
+    ``source``, or a CUDA ``device`` when this process sees no GPU; RuntimeError when entered
+    while it is running already (make a second tracker to nest).
     """
 
     def __new__(cls, *args, source: str = "dispatch", **kwargs):
@@ -119,10 +120,12 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
                 if info is not None and info.base != base and not _tagged(inner):
                     self._change(info, base=base)
 
-    def _on_tag(self, st, category: str) -> None:
-        """A storage was tagged while tracking: count it in its new role from now on."""
-        if st.device.type != self._device_type:
+    def _on_tag(self, st, category: str | None) -> None:
+        """A storage was tagged (``category``) or untagged (None) while tracking: count it in
+        its new role from now on (untagged: as a storage allocated now without a tag)."""
+        if not self._tracks(st):
             return
+        category = category or tags.current_scope() or "temporaries"
         info = self._live.get(st._cdata)
         if info is None:
             self._see_storage(st, category)
@@ -152,6 +155,7 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
     # ---- context manager ---------------------------------------------------------------
 
     def __enter__(self):
+        self._check_not_running()
         self._reset()
         self._active = True
         # fake tensors are the measurement when the caller runs under FakeTensorMode; otherwise

@@ -71,6 +71,21 @@ class TrackerBase(StorageLedger):
     # tracker reads ``tags.current_scope()`` itself when it needs it)
     _on_scope = None
 
+    def _check_not_running(self) -> None:
+        """Raise RuntimeError when this tracker is inside its ``with`` block already (entering
+        it again would unhook the running measurement's hooks from under it)."""
+        if self._active:
+            raise RuntimeError(
+                "this MemoryTracker is already running: a tracker measures one `with` block at a "
+                "time; to measure an inner block too, make a second MemoryTracker for it "
+                "(source='dispatch' trackers nest; one source='allocator' tracker runs at a time)")
+
+    def _tracks(self, storage) -> bool:
+        """Whether ``storage`` is on the tracked device (a fake tensor's storage is on "meta"
+        and counts when the tracker counts fake tensors)."""
+        device = storage.device.type
+        return device == self._device_type or (device == "meta" and self._count_fake)
+
     @staticmethod
     def _key_of(storage) -> int:
         """What identifies a storage in this tracker's ledger."""
@@ -147,7 +162,7 @@ class TrackerBase(StorageLedger):
         # collected, or another live model, holds tagged storages too
         owned = reachable_storage_ids([self.model, self.optimizer]) if tags._tags else set()
         for st, cat in list(tags._tags.items()):
-            if st.device.type == self._device_type and st._cdata in owned:
+            if self._tracks(st) and st._cdata in owned:
                 self._see_storage(st, cat)
 
     # ---- entering and leaving ----------------------------------------------------------
