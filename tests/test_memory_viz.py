@@ -238,3 +238,28 @@ def test_every_memory_table_and_plot_takes_the_same_units_and_names_them_on_a_wr
         with pytest.raises(ValueError, match="unit must be one of B, KiB, MiB, GiB, GB, got 'MB'"):
             call()
     plt.close("all")
+
+
+def test_a_plot_that_makes_its_own_figure_keeps_legend_and_labels_inside_a_plain_savefig(tmp_path):
+    # a script saves with plain savefig (Jupyter's inline display crops to what is drawn): the legend
+    # right of the axes and the rotated phase labels must lie inside the figure
+    from fsdp_lab.timeline import Event, Timeline
+    from fsdp_lab.viz import plot_phase_breakdown, plot_timeline
+
+    peak = {"params": 3 << 20, "grads": 3 << 20, "optimizer_state": 6 << 20, "activations": 1 << 20}
+    curve = [("start", {"params": 3 << 20}), ("forward a very long module name end", peak), ("end", {"params": 3 << 20})]
+    timeline = Timeline(rank=0, device="cpu")
+    timeline._events = [Event(0, "compute", "f", 0, 0.0, 1.0, args={"phase": "forward"}),
+                       Event(0, "comm", "all_gather", 4, 0.2, 0.4, "comm")]
+    plots = [plot_breakdown({"rank 0": peak}), plot_memory_curve(curve, label_every=1),
+             plot_estimate_vs_measured(peak, peak), plot_timeline(timeline, legend_outside=True),
+             plot_phase_breakdown({"run": {0: dict.fromkeys(("forward", "backward", "optimizer", "other_compute",
+                                                              "exposed_comm", "idle"), 0.001)}})]
+    for ax in plots:
+        figure = ax.figure
+        figure.savefig(tmp_path / "plot.png")
+        drawn = ax.get_tightbbox(figure.canvas.get_renderer())  # the axes with all it draws (legend, labels)
+        assert ax.get_legend() is not None
+        assert drawn.x0 >= -1 and drawn.y0 >= -1 and drawn.x1 <= figure.bbox.width + 1 \
+            and drawn.y1 <= figure.bbox.height + 1, (ax.get_title(), drawn, figure.bbox)
+    plt.close("all")

@@ -51,7 +51,8 @@ def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None 
         breakdowns = {str(i): b for i, b in enumerate(breakdowns)}
     scale = unit_scale(unit)
     values = {label: _values(b) for label, b in breakdowns.items()}
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(max(4, 1.2 * len(values) + 3), 4))
     labels = list(values)
     bottoms = [0.0] * len(labels)
@@ -62,7 +63,7 @@ def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None 
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title or "memory by category")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return ax
+    return fit_figure(ax, own_figure)
 
 
 def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None = None, label_every: int = 0,
@@ -86,7 +87,8 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
     if not timeline:
         raise ValueError("plot_memory_curve needs a non-empty timeline [(label, {category: bytes})]")
     scale = unit_scale(unit)
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(9, 4))
     snaps = [_values(s) for _, s in timeline]
     # with step="post" a point holds until the next x: repeat the last one so it has a width too
@@ -115,7 +117,7 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title or "memory over one step")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return ax
+    return fit_figure(ax, own_figure)
 
 
 def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB", title: str | None = None):
@@ -131,7 +133,8 @@ def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB"
         labels = list(estimated)
     else:
         labels, estimated, measured = [""], {"": estimated}, {"": measured}
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(max(5, 2.0 * len(labels) + 3), 4))
     est = {l: _values(estimated[l]) for l in labels}
     mea = {l: _values(measured[l]) for l in labels}
@@ -149,4 +152,13 @@ def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB"
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title or "estimated vs measured")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fit_figure(ax, own_figure)
+
+
+def fit_figure(ax, own_figure: bool):
+    """Fit a figure the plot made itself around everything drawn (a legend right of the axes,
+    rotated tick labels), so a plain ``savefig`` keeps them whole as Jupyter's inline display does;
+    a figure the caller passed an Axes of is left to the caller. Returns ``ax``."""
+    if own_figure:
+        ax.figure.tight_layout()
     return ax

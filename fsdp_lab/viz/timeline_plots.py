@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from fsdp_lab.viz.memory_plots import fit_figure
+
 # One colour per kind of work, so a reader sees at a glance what overlaps what.
 _COLORS = {
     "forward": "#4C72B0",
@@ -39,14 +41,16 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
 
     Returns the matplotlib Axes. Comm events are coloured by collective, compute events by
     phase (forward / backward / other spans); a collective with a name of its own (``oom_sync``)
-    gets a colour no other entry of the figure has. ``legend_outside`` puts the legend right of the
+    gets a colour no other entry of the figure has. ``label_bytes`` writes each collective's size
+    (MiB) at its start. ``legend_outside`` puts the legend right of the
     axes, where it cannot cover late events (the optimizer step). Raises ValueError for an
     empty timeline.
     """
     events = timeline.events
     if not events:
         raise ValueError("the timeline has no events: record inside `with Timeline():` first")
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(10, 1.0 + 0.45 * len({(e.rank, e.lane) for e in events})))
     t0 = min(e.t_start for e in events)
     rows = sorted({(e.rank, e.lane) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1]))
@@ -58,7 +62,7 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
         ax.broken_barh([((e.t_start - t0) * 1e3, max(e.duration * 1e3, 1e-3))], (y - 0.38, 0.76),
                        facecolors=colors[_legend_name(e)], edgecolors="none")
         if label_bytes and e.kind == "comm" and e.bytes:
-            ax.text((e.t_start - t0) * 1e3, y, f"{e.bytes / 2**20:.1f}M", fontsize=6, va="center")
+            ax.text((e.t_start - t0) * 1e3, y, f"{e.bytes / 2**20:.1f} MiB", fontsize=6, va="center")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r} {lane}" for r, lane in rows])
     ax.invert_yaxis()
@@ -70,7 +74,7 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
         ax.legend(handles, names, loc="upper right", fontsize=7, ncol=min(4, len(names)))
     if title:
         ax.set_title(title)
-    return ax
+    return fit_figure(ax, own_figure)
 
 
 _PHASES = ("forward", "backward", "optimizer", "other_compute", "exposed_comm", "idle")
@@ -87,7 +91,8 @@ def plot_phase_breakdown(runs: dict, ax=None, *, rank: int | None = None, title:
     """
     if not runs:
         raise ValueError("plot_phase_breakdown needs at least one run")
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         _, ax = plt.subplots(figsize=(9, 0.9 + 0.6 * len(runs)))
     labels = list(runs)
     for y, label in enumerate(labels):
@@ -107,4 +112,4 @@ def plot_phase_breakdown(runs: dict, ax=None, *, rank: int | None = None, title:
     ax.legend(loc="lower right", fontsize=7, ncol=3)
     if title:
         ax.set_title(title)
-    return ax
+    return fit_figure(ax, own_figure)
