@@ -509,3 +509,45 @@ def test_a_dropped_tracker_and_model_free_the_models_storages_without_the_collec
         assert sum(r() is not None for r in refs) == 0
     finally:
         gc.enable()
+
+
+def test_fsdp2_gradients_are_unsharded_grads_from_the_moment_autograd_writes_them():
+    # the root's gradient waits for the root's post-backward at the end of backward, a block's for
+    # its own; before, a tracker's timeline filed both as temporaries until then (FSDP1 tags on arrival)
+    import fsdp_lab
+    from fsdp_lab.fsdp2 import fully_shard
+
+    width = 128
+    block_bytes = (width * width + width) * F32  # a Linear's weight and bias, whole
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(3)])
+            self.head = nn.Linear(width, width)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    with fsdp_lab.simulated_world(2):
+        torch.manual_seed(0)
+        model = Net()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters())
+        x = torch.randn(8, width)
+        for tracked in (False, True):
+            with MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as mt:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    at = dict(mt.timeline())
+    # the head (the root's) has run its backward; no block has: its gradient alone, whole
+    assert at["backward layers.2 start"]["unsharded_grads"] == block_bytes
+    # while the blocks run backward, the root's whole gradient stays beside theirs
+    backward = [snap["unsharded_grads"] for label, snap in mt.timeline() if label.startswith("backward layers")]
+    assert min(backward) >= block_bytes and max(backward) >= 2 * block_bytes
+    assert at["optimizer step start"]["unsharded_grads"] == 0  # every one reduced by then

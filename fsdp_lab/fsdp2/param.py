@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from fsdp_lab.memory.tags import tag
+from fsdp_lab.memory.tags import listened, tag
 from fsdp_lab.checks import check_bool
 from fsdp_lab.precision import ParamDtypes
 
@@ -262,6 +262,17 @@ class FSDPParam:
                 return  # a view of all_gather_outputs[0], whose storage was just refilled
             unsharded = outputs[0].narrow(0, 0, self.orig_size[0])
         self._unsharded_param = nn.Parameter(unsharded, requires_grad=self.requires_grad)
+        self._grad_watched = False
+        self._watch_unsharded_grad()
+
+    def _watch_unsharded_grad(self) -> None:
+        """From now on, tell a running memory tracker the full gradient is ``unsharded_grads``
+        the moment autograd writes it, as FSDP1's gradient hooks do: this module's post-backward,
+        which takes and reduces it, runs later, and in between a tracker saw a temporary."""
+        if self._grad_watched or not self._unsharded_param.requires_grad:
+            return
+        self._unsharded_param.register_post_accumulate_grad_hook(_tag_unsharded_grad)
+        self._grad_watched = True
 
     def free_unsharded_param(self) -> None:
         """Release the unsharded bytes; the tensors stay, with storage of size 0."""
@@ -279,6 +290,7 @@ class FSDPParam:
         unsharded = self.unsharded_param
         if unsharded.requires_grad != self.requires_grad:  # frozen or unfrozen since the last gather
             unsharded.requires_grad_(self.requires_grad)
+            self._watch_unsharded_grad()
         for module, name in self.module_infos:
             module._parameters[name] = unsharded
 
@@ -377,3 +389,8 @@ class FSDPParam:
         out = tag(acc.to(self.dtypes.master), "sharded_grads")
         self.sharded_param.grad = self._to_dtensor(out)
         self._exposed_grad = (out, out._version)
+
+
+def _tag_unsharded_grad(param: torch.Tensor) -> None:
+    if listened() and param.grad is not None:
+        tag(param.grad, "unsharded_grads")

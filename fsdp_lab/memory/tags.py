@@ -93,6 +93,11 @@ def add_listener(on_tag: Callable[[torch.UntypedStorage, str | None], None],
     _listeners.append((on_tag, on_scope))
 
 
+def listened() -> bool:
+    """Whether a listener (a running tracker) hears tags now: code on a hot path may tag only then."""
+    return bool(_listeners)
+
+
 def remove_listener(on_tag: Callable[[torch.UntypedStorage, str], None]) -> None:
     """Stop calling the listener added with ``on_tag`` (no error if it was not added)."""
     _listeners[:] = [pair for pair in _listeners if pair[0] != on_tag]

@@ -272,9 +272,11 @@ CELLS = [
     * **sharded** is the same everywhere: float32 master weights in every policy.
     * **gathered** halves with bf16 compute; so do the all-gather bytes.
     * **RS bytes** halve with a bf16 wire. The fourth policy keeps that bf16 wire but accumulates in
-      float32: its accumulation buffer doubles, so its **acc.grad** column is about twice the third policy's
-      (not exactly: the column's highest point also holds one bf16 gradient on its way into the buffer; the
-      ratios are printed under the figure).
+      float32: its accumulation buffer doubles. Its **acc.grad** column grows by less than that: the
+      column counts every full-size gradient not yet reduce-scattered, so at its highest it holds the
+      buffer *and* the bf16 gradients the last backward has produced and FSDP has not yet added in (each
+      module's post-backward adds its own; the root's, embeddings and output here, comes last), the same
+      bytes under both policies. The ratios are printed under the figure.
     * The loss curves would lie on top of each other at this scale; the left panel plots each policy's
       *difference* from the float32 run instead; the cell under the figure prints each policy's losses
       and largest difference (after a ≈: their last digits depend on the CPU's bf16 kernels, so the
