@@ -176,6 +176,41 @@ def _load(directory):
         out["dcp 2->4"] = {"full": _full("fsdp2", model), "loss": _loss(model, rank, world)}
     except (Exception, dcp.api.CheckpointException) as error:  # noqa: BLE001 - reported to the test
         out["dcp 2->4"] = f"{type(error).__name__}: {error}"
+    out["mismatch"] = _load_mismatched(directory, rank)
+    return out
+
+
+def _load_mismatched(directory, rank):
+    """A full state dict whose names or shapes do not match the model, read on every rank and read
+    by rank 0 alone: each refusal on every rank (none left waiting in a broadcast), nothing copied."""
+    from fsdp_lab.fsdp2 import fully_shard, load_full_state_dict
+
+    state = torch.load(f"{directory}/fsdp2_full.pt", weights_only=True)
+    out = {}
+
+    def attempt(model, what, given, **kwargs):
+        try:
+            out[what] = load_full_state_dict(model, given if rank == 0 or not kwargs.get("broadcast_from_rank0")
+                                             else None, **kwargs)
+        except (KeyError, ValueError) as error:
+            out[what] = f"{type(error).__name__}: {error}"
+
+    without_lora = Llama(LlamaConfig.from_name("cpu", n_layers=2), seed=1)  # apply_lora forgotten
+    for layer in without_lora.layers:
+        fully_shard(layer)
+    fully_shard(without_lora)
+    before = {k: v.to_local().clone() for k, v in without_lora.state_dict().items()}
+    attempt(without_lora, "no lora", state)
+    attempt(without_lora, "no lora, broadcast", state, broadcast_from_rank0=True)
+    out["no lora, unchanged"] = all(torch.equal(v.to_local(), before[k]) for k, v in without_lora.state_dict().items())
+    one_layer = _build(1)
+    one_layer.layers = one_layer.layers[:1]
+    fully_shard(one_layer.layers[0])
+    fully_shard(one_layer)
+    attempt(one_layer, "one layer, not strict", state, strict=False)
+    out["one layer, loaded"] = _full("fsdp2", one_layer)
+    reshaped = dict(state, **{"output.weight": state["output.weight"][:-1]})
+    attempt(one_layer, "reshaped, broadcast", reshaped, broadcast_from_rank0=True, strict=False)
     return out
 
 
@@ -277,6 +312,26 @@ def test_full_state_dict_broadcast_from_rank0_on_4(runs):
     saved = torch.load(f"{runs['dir']}/fsdp1_full.pt", weights_only=True)
     _assert_same(runs["loaded"][0]["full broadcast"]["full"], saved, "broadcast")
     assert _mean_loss(runs["loaded"], "full broadcast") == _mean_loss(runs["loaded"], "full fsdp1->fsdp2")
+
+
+def test_fsdp2_full_state_dict_that_does_not_match_is_refused_on_every_rank(runs):
+    saved = torch.load(f"{runs['dir']}/fsdp2_full.pt", weights_only=True)
+    adapters = sorted(k for k in saved if ".lora_" in k)
+    rows, cols = saved["output.weight"].shape
+    for rank, ranks in enumerate(runs["loaded"]):
+        seen = ranks["mismatch"]
+        # a LoRA checkpoint into a model without adapters: the adapters named, nothing copied
+        assert seen["no lora"].startswith("KeyError: 'the full state dict does not match the model (not in "
+                                          f"the model: {', '.join(adapters[:4])} and {len(adapters) - 4} more)")
+        assert "apply_lora before loading" in seen["no lora"] and seen["no lora, unchanged"]
+        listed = "the model: " + adapters[0] if rank == 0 else f"<{len(adapters)} names, listed on rank 0>"
+        assert seen["no lora, broadcast"].startswith("KeyError") and listed in seen["no lora, broadcast"]
+        # strict=False: the names both have load; the other block's are returned, as nn.Module does
+        assert seen["one layer, not strict"] == ([], sorted(k for k in saved if k.startswith("layers.1.")))
+        assert seen["reshaped, broadcast"].startswith("ValueError: output.weight: the full state dict has shape "
+                                                      + (f"({rows - 1}, {cols})" if rank == 0 else "another (on rank 0)"))
+    loaded = runs["loaded"][0]["mismatch"]["one layer, loaded"]
+    _assert_same(loaded, {k: v for k, v in saved.items() if not k.startswith("layers.1.")}, "one layer")
 
 
 def test_fsdp1_dcp_checkpoint_saved_on_2_loads_on_4(runs):

@@ -142,16 +142,27 @@ def _entry(full_state_dict, key: str) -> torch.Tensor:
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None, *,
-                         broadcast_from_rank0: bool = False) -> None:
+                         broadcast_from_rank0: bool = False, strict: bool = True) -> tuple[list[str], list[str]]:
     """Copy whole tensors into the (sharded) ``model`` in place.
 
     Each rank keeps its rows; an NF4 shard takes its blocks of a whole ``NF4Tensor`` (one
     saved at any world size) or quantizes a float tensor with its own block sizes.
     ``broadcast_from_rank0``: only rank 0's ``full_state_dict`` is read (others may pass None)
-    and each tensor is broadcast. Raises KeyError for a missing key and ValueError for a
-    shape mismatch or an NF4 entry with other block sizes.
+    and each tensor is broadcast; rank 0 first tells every rank whether the names match, so a
+    mismatch raises on every rank instead of leaving the others waiting. ``strict`` (as
+    ``nn.Module.load_state_dict``): names the model has and the state dict lacks, or the other
+    way round, are refused before anything is copied; with ``strict=False`` they are skipped.
+    Returns ``(missing, unexpected)`` names (rank 0's, under ``broadcast_from_rank0``). Raises
+    KeyError (strict) for missing or unexpected names, ValueError for ``full_state_dict=None``
+    where it is read, a shape mismatch or an NF4 entry with other block sizes.
     """
-    for key, target in model.state_dict().items():
+    targets = model.state_dict()
+    missing, unexpected = _mismatched_names(targets, full_state_dict, broadcast_from_rank0)
+    if strict and (missing or unexpected):
+        raise KeyError(_mismatch_message(missing, unexpected))
+    for key, target in targets.items():
+        if key in missing:
+            continue
         if broadcast_from_rank0:
             source = _broadcast_source(key, target, full_state_dict)
         else:
@@ -163,6 +174,53 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
             load_full_tensor(target, source)
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from error
+    return sorted(missing), unexpected
+
+
+_MATCHES, _MISSING, _MISSHAPEN = 0, 1, 2
+
+
+def _mismatched_names(targets: dict, full_state_dict, broadcast_from_rank0: bool) -> tuple[set[str], list[str]]:
+    """(missing, unexpected) names of ``full_state_dict`` against the model's ``targets``. Under
+    ``broadcast_from_rank0`` rank 0 tells every rank which of the model's names it lacks or holds
+    in another shape (a code per name, in the model's order: every rank then skips the same
+    broadcasts, and none waits in one rank 0 refused); unexpected names are listed on rank 0 and
+    counted elsewhere. Raises ValueError, on every rank, when the dict to read is None or an entry
+    has another shape than the model's."""
+    reads = not broadcast_from_rank0 or torch.distributed.get_rank() == 0
+    given = full_state_dict is not None
+    codes, unexpected = [_MATCHES] * len(targets), []
+    if reads and given:
+        codes = [_MISSING if k not in full_state_dict
+                 else _MISSHAPEN if tuple(full_state_dict[k].shape) != tuple(t.shape) else _MATCHES
+                 for k, t in targets.items()]
+        unexpected = sorted(k for k in full_state_dict if k not in targets)
+    if broadcast_from_rank0:
+        device = _local_device(next(iter(targets.values()))) if targets else torch.device("cpu")
+        flags = torch.tensor([int(given), len(unexpected), *codes], device=device)
+        collectives.broadcast(flags, 0, meta={"module": "state_dict"})
+        given, n_unexpected, *codes = flags.tolist()
+        if not reads and n_unexpected:
+            unexpected = [f"<{n_unexpected} names, listed on rank 0>"]
+    if not given:
+        raise ValueError("load_full_state_dict got full_state_dict=None; pass the state dict (on rank 0 "
+                         "at least, with broadcast_from_rank0=True)")
+    for (key, target), code in zip(targets.items(), codes):
+        if code == _MISSHAPEN:
+            saved = tuple(full_state_dict[key].shape) if reads else "another (on rank 0)"
+            raise ValueError(f"{key}: the full state dict has shape {saved}, the model {tuple(target.shape)}")
+    return {k for k, code in zip(targets, codes) if code == _MISSING}, unexpected
+
+
+def _mismatch_message(missing, unexpected) -> str:
+    def some(names):
+        names = sorted(names)
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    parts = ([f"missing from it: {some(missing)}"] if missing else []) + \
+            ([f"not in the model: {some(unexpected)}"] if unexpected else [])
+    return ("the full state dict does not match the model (" + "; ".join(parts) + "): build the model "
+            "as it was when saved (the same layers; apply_lora before loading a state dict with adapters), "
+            "or pass strict=False to load the names both have")
 
 
 @torch.no_grad()
