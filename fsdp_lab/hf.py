@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_lab.fsdp1.runtime import clean_name, owner_of
 from fsdp_lab.qlora.lora import LoRALinear, apply_lora, names_a_target
 from fsdp_lab.qlora.nf4_tensor import is_nf4_shard, nf4_from_parts, nf4_parts, plain_tensor
 
@@ -44,16 +45,22 @@ def _part_key(key: str, inner: str) -> str:
     return key if inner == "packed" else f"{key}{_NF4_SUFFIX}{inner}"
 
 
+_GATHER_FIRST = ("call it on the unsharded model: in one process (gather the adapters with "
+                 "fsdp_lab.qlora.lora_state_dict(model) on every rank and load them into a one-process "
+                 "model with load_lora_state_dict), or under FSDP1 inside FSDP.summon_full_params(model)")
+
+
 def _check_unsharded(model: nn.Module, what: str) -> None:
     for name, param in model.named_parameters():
         if is_nf4_shard(param):
-            raise ValueError(
-                f"{what} needs the full model, but {name} is an NF4 shard; call it on the unsharded "
-                f"model (one process, or after gathering the full parameters)")
+            raise ValueError(f"{what} needs the full model, but {name} is an NF4 shard; {_GATHER_FIRST}")
         if type(param).__name__ == "DTensor" or getattr(param, "_is_flat_param", False):
-            raise ValueError(
-                f"{what} needs the full model, but {name} is sharded ({type(param).__name__}); call it "
-                f"on the unsharded model (one process, or after gathering the full parameters)")
+            raise ValueError(f"{what} needs the full model, but {name} is sharded "
+                             f"({type(param).__name__}); {_GATHER_FIRST}")
+        unit = owner_of(param)  # FSDP1's original parameters are 1-D slices outside summon_full_params
+        if unit is not None and not unit._summoned_whole:
+            raise ValueError(f"{what} needs the full model, but {clean_name(name)} is sharded by FSDP1 "
+                             f"(this rank holds a 1-D slice of it); {_GATHER_FIRST}")
 
 
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -73,8 +80,10 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, adapters: bo
     ``nf4="dequantize"`` (default): each NF4 base weight is written dequantized to its
     nominal dtype, so the files hold exactly the plain model's keys (``adapters=False``
     leaves the LoRA weights out) for transformers' ``from_pretrained`` +
-    ``peft.PeftModel.from_pretrained``; adapters, if kept, are under their own keys
-    (``...q_proj.lora_a``).
+    ``peft.PeftModel.from_pretrained``; adapters, if kept, are under this package's own keys
+    (``...q_proj.lora_a``), which transformers' loader reports as unexpected and skips and PEFT
+    does not read: for transformers and PEFT, save with ``adapters=False`` and write the adapters
+    with ``export_peft_adapters``.
 
     ``nf4="packed"``: each NF4 weight ``k`` is written as its own bytes, ``k`` holding the
     packed 4-bit codes (uint8) and ``k.nf4_scales`` / ``k.nf4_scale_factors`` /
@@ -154,7 +163,8 @@ def from_pretrained(directory: str | os.PathLike, model_class: Any = None, **kwa
     if not settings_file.exists():
         raise FileNotFoundError(
             f"{settings_file} not found: {directory} was not written by fsdp_lab.hf.save_pretrained(..., "
-            f"nf4='packed'); load it with transformers' from_pretrained (and peft for adapters)")
+            f"nf4='packed'); load its base weights with transformers' from_pretrained, and adapters "
+            f"that export_peft_adapters wrote with peft.PeftModel.from_pretrained")
     settings = json.loads(settings_file.read_text(encoding="utf-8"))
     config = transformers.AutoConfig.from_pretrained(directory)
     model = (model_class or transformers.AutoModelForCausalLM).from_config(config, **kwargs)
@@ -220,6 +230,7 @@ def peft_adapter_state_dict(model: nn.Module, prefix: str = "base_model.model.")
         raise ValueError(f"{type(model).__name__} has no LoRA adapters; call fsdp_lab.qlora.apply_lora first")
     out = {}
     for name, lora in loras.items():
+        name = clean_name(name)  # inside FSDP1's summon_full_params, the names a plain model has
         out[f"{prefix}{name}.lora_A.weight"] = lora.lora_a.detach().to("cpu").contiguous().clone()
         out[f"{prefix}{name}.lora_B.weight"] = lora.lora_b.detach().to("cpu").contiguous().clone()
     return out
@@ -246,7 +257,7 @@ def peft_adapter_config(model: nn.Module, base_model_name_or_path: str | None = 
     (rank, alpha), = ranks
     targets = sorted({name.rpartition(".")[2] for name in loras})
     if {n for n, _ in model.named_modules() if names_a_target(n, targets)} != set(loras):
-        targets = sorted(loras)  # PEFT and apply_lora match a full name exactly
+        targets = sorted(clean_name(n) for n in loras)  # PEFT and apply_lora match a full name exactly
     return {
         "peft_type": "LORA",
         "task_type": task_type,

@@ -144,6 +144,12 @@ def _rank_suite():
             model = FullyShardedDataParallel(qlora(tiny_model(family)), auto_wrap_policy=ModuleWrapPolicy({layer_cls}))
             with FullyShardedDataParallel.summon_full_params(model, writeback=False):  # whole NF4 weights
                 out[(family, "qlora-fsdp1", "generate")] = greedy(model.module)
+                out[(family, "qlora-fsdp1", "adapters")] = hf.peft_adapter_state_dict(model.module)
+            try:  # outside summon_full_params each rank holds 1-D slices
+                hf.peft_adapter_state_dict(model)
+                out[(family, "qlora-fsdp1", "adapters unsummoned")] = "exported"
+            except ValueError as e:
+                out[(family, "qlora-fsdp1", "adapters unsummoned")] = str(e)
 
         # QLoRA under FSDP2
         model = qlora(tiny_model(family))
@@ -296,6 +302,17 @@ def test_generate_from_a_bf16_model_keeps_its_masters_in_bf16(suite):
             mixed[(name, "float32", False)]
     assert isinstance(mixed[("bf16", "float32", True)], torch.Tensor)  # all float32 inside: it runs
     assert "MixedPrecision(main_params_dtype=None)" in mixed[("bf16 qlora", "float32", True)]
+
+
+def test_peft_adapters_of_an_fsdp1_model_take_the_plain_names_inside_summon_and_are_refused_outside(suite):
+    family = FAMILIES[0]
+    one_process = hf.peft_adapter_state_dict(qlora(tiny_model(family)))  # the same untrained adapters
+    inside = suite[(family, "qlora-fsdp1", "adapters")]
+    assert inside.keys() == one_process.keys()  # PEFT matches these names; a wrapper's it would drop
+    assert all(torch.equal(inside[k], one_process[k]) for k in inside)
+    refused = suite[(family, "qlora-fsdp1", "adapters unsummoned")]
+    assert "is sharded by FSDP1 (this rank holds a 1-D slice of it)" in refused
+    assert "inside FSDP.summon_full_params(model)" in refused and "lora_state_dict" in refused
 
 
 def test_generate_with_qlora_under_fsdp1_matches_one_process(suite, references):
