@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import fsdp_lab
 from fsdp_lab.states import ShardedState
 from fsdp_lab.models.data import global_batch, shard_batch
-from fsdp_lab.models.llama import Llama, TransformerBlock
+from fsdp_lab.models.llama import Llama, LlamaConfig, TransformerBlock
 
 
 def _fsdp(model, **kwargs):
@@ -468,3 +469,17 @@ def test_all_gather_limiter_waits_for_the_free_two_frees_back():
     limiter.before_all_gather()
     limiter.before_all_gather()               # one pending: no wait
     assert waited == ["free 1", "free 2"] and limiter.waits == 2
+
+
+def test_a_full_state_dict_inside_summon_full_params_says_to_call_it_outside():
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, ModuleWrapPolicy, StateDictType
+
+    with fsdp_lab.simulated_world(2):
+        model = FSDP(Llama(LlamaConfig.from_name("cpu", n_layers=1), seed=0),
+                     auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            with FSDP.summon_full_params(model, writeback=False):
+                with pytest.raises(RuntimeError, match="inside summon_full_params: its parameters are whole "
+                                                       "already, read them there; a full state_dict"):
+                    model.state_dict()
+            assert len(model.state_dict()) > 0  # outside, as it says; the model was left as it was

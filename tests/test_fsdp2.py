@@ -8,8 +8,12 @@ the models and the training loop both sides share are in tests/_fsdp2_models.py.
 
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
 import torch
+import torch.nn as nn
 
 import fsdp_lab
 from fsdp_lab.models.llama import Llama, LlamaConfig
@@ -350,3 +354,26 @@ def test_extension_all_gathers_codes_and_scales(suite):
     # per rank: int8 codes (rows x 8), fp32 scales (rows), fp32 bias shard (rows), as raw bytes
     expected_bytes = world * (rows * 8 + rows * 4 + rows * 4)
     assert extension["gathers"] and all(g == (expected_bytes, "uint8") for g in extension["gathers"])
+
+
+@pytest.mark.parametrize("case,words", [
+    # the root sharded before its blocks: the blocks' parameters are the root's DTensors by then
+    ("root_first", "parameter Linear.weight is a DTensor already: fully_shard of a module above it ran first"),
+    # built on meta, sharded, never given memory: torch's "Cannot copy out of meta tensor" otherwise
+    ("meta_forward", "0.weight is still on the meta device at the first forward: after fully_shard, call "
+                     "model.to_empty(device=...)"),
+])
+def test_misuse_is_named_with_the_fix(case, words):
+    from fsdp_lab.fsdp2 import fully_shard
+
+    with fsdp_lab.simulated_world(2):
+        if case == "root_first":
+            model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            fully_shard(model)
+            call = functools.partial(fully_shard, model[0])
+        else:
+            with torch.device("meta"):
+                model = nn.Sequential(nn.Linear(4, 4))
+            call = functools.partial(fully_shard(model), torch.ones(1, 4))
+        with pytest.raises((ValueError, RuntimeError), match=re.escape(words)):
+            call()

@@ -69,6 +69,10 @@ def summon_full_params(model: nn.Module, recurse: bool = True, writeback: bool =
     for unit in units:
         if unit._root is not None and unit._shared.step == StepState.IN_BACKWARD:
             raise RuntimeError("summon_full_params cannot run during backward")
+        if unit.training_state == TrainingState.SUMMON_FULL_PARAMS:  # nested: e.g. a full state_dict() inside
+            raise RuntimeError(
+                f"summon_full_params of {unit._name} inside summon_full_params: its parameters are whole "
+                "already, read them there; a full state_dict() gathers them itself, so call it outside")
         assert_in_states(unit.training_state, TrainingState.IDLE, where=f"summon_full_params of {unit._name}")
     materialize = not rank0_only or dist.get_rank() == 0
     with contextlib.ExitStack() as stack:  # a failed gather unwinds the handles already whole

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_lab.fsdp2.param import CPUOffloadPolicy, FSDPParam, OffloadPolicy
@@ -72,7 +73,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     rank keeps its own). Returns ``module`` (now an ``FSDPModule``).
 
     Raises:
-        ValueError: the module is already an FSDPModule; a parameter is already managed by
+        ValueError: the module is already an FSDPModule; a parameter is a DTensor (a module above it
+            was sharded first: shard bottom-up); a parameter is already managed by
             another ``fully_shard`` call; parameters on different devices; a mesh that is not
             1-D or 2-D over the whole world or whose device type differs from the parameters'.
         TypeError: a non-floating parameter; ``ignored_params`` not a collection of Parameters;
@@ -191,6 +193,11 @@ def _make_fsdp_params(modules, mesh, device, mp_policy, offload_policy, ignored)
                 f"parameter {names[p]} is already managed by fully_shard({_CLAIMED[p]}); a parameter shared "
                 "between modules must be sharded once: pass those modules together, e.g. "
                 "fully_shard([model.tok_embeddings, model.output])")
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"parameter {names[p]} is a DTensor already: fully_shard of a module above it ran first "
+                "(or another parallelism made it one); call fully_shard bottom-up, on each block and then "
+                "on the root, as PyTorch's fully_shard expects")
         if not (p.is_floating_point() or hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_shard")):
             raise TypeError(f"parameter {names[p]} has dtype {p.dtype}; fully_shard shards floating-point "
                             "parameters only (keep integer state in buffers)")

@@ -118,6 +118,7 @@ class _FSDPState:
         for state in states:  # label timeline events with module paths, e.g. "layers.0"
             if state.group is not None:
                 state.group.name = ",".join(names.get(id(m)) or "root" for m in state.modules)
+                _check_not_meta(state.group, names)
                 state.group.check_trainable_dtypes(names)  # here, as PyTorch: requires_grad may change after fully_shard
         for state in states:
             if state.is_root is not None and state is not self:
@@ -246,3 +247,16 @@ def root_final_callback_for(root: _RootContext):
         root.step = StepState.IDLE
 
     return final_callback
+
+
+def _check_not_meta(group, names: dict[int, str]) -> None:
+    """Raise RuntimeError naming a parameter still on the meta device (a model built on meta,
+    sharded, and never given memory and values)."""
+    for fsdp_param in group.fsdp_params:
+        if fsdp_param.sharded_local_tensor.is_meta:
+            module, attr = fsdp_param.module_infos[0]
+            name = ".".join(filter(None, (names.get(id(module)), attr)))
+            raise RuntimeError(
+                f"{name} is still on the meta device at the first forward: after fully_shard, call "
+                f"model.to_empty(device=...) and initialise the weights (reset_parameters() of each "
+                f"module, or your own init) before running the model")
