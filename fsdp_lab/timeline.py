@@ -100,6 +100,7 @@ class CommEvent:
         self._lock = threading.Lock()
         self._start = start  # a clock mark taken just before the collective was issued
         self._end = None
+        self.abandoned = False  # still open when its timeline's `with` block ended: left out
 
     def close_on_completion(self, works: list) -> None:
         """On CPU, take the end time from the last work's completion callback."""
@@ -121,7 +122,9 @@ class CommEvent:
             if self._end is None:
                 self._end = self._timeline._clock.mark()
             end = self._end
-        self._timeline._add_raw(self.lane, self.name, self.bytes, self._start, end, "comm", self.args)
+        self._timeline._open.discard(self)
+        if not self.abandoned:
+            self._timeline._add_raw(self.lane, self.name, self.bytes, self._start, end, "comm", self.args)
 
 
 class Timeline:
@@ -129,17 +132,26 @@ class Timeline:
 
     ``Timeline(rank=None, device=None)``: rank defaults to the process group rank (0
     without one), device to CUDA's current device when the default process group uses
-    NCCL or CUDA is initialised, else CPU.
+    NCCL or CUDA is initialised, else CPU. An asynchronous collective issued inside the block
+    is recorded when its handle is waited on; one still not waited on when the block ends is
+    left out, with a warning. Raises TypeError for a rank that is not an int >= 0, ValueError
+    for a CUDA device where this process sees no GPU.
     """
 
     def __init__(self, rank: int | None = None, device: torch.device | str | None = None):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise TypeError(f"Timeline(rank=...) takes a rank number (an int >= 0), got {rank!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if (
                 torch.cuda.is_available() and torch.cuda.is_initialized()) else torch.device("cpu")
         self.rank = rank
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"Timeline(device={str(device)!r}) but this process sees no CUDA GPU; leave "
+                             "device out (it follows the process group's device) or pass device='cpu'")
+        self._open: set[CommEvent] = set()  # asynchronous collectives not waited on yet
         self._clock: _Clock | None = None
         self._raw: list[tuple] = []
         self._events: list[Event] = []
@@ -156,6 +168,14 @@ class Timeline:
     def __exit__(self, *exc) -> None:
         collectives.remove_recorder(self)
         _active.remove(self)
+        unfinished, self._open = self._open, set()
+        for event in unfinished:
+            event.abandoned = True  # the timeline does not change after its block
+        if unfinished and exc[0] is None:
+            names = ", ".join(sorted({e.name for e in unfinished}))
+            warnings.warn(f"{len(unfinished)} asynchronous collective(s) ({names}) issued inside this Timeline "
+                          "were not waited on before its `with` block ended and are left out of it: wait on "
+                          "their handles inside the block", stacklevel=2)
         self.finalize()
 
     def mark(self):
@@ -170,7 +190,9 @@ class Timeline:
     def open_comm(self, start, name: str, nbytes: int, *, lane: str = "comm", **args) -> CommEvent:
         """The comm event of a collective issued since ``start = self.mark()`` (called by
         fsdp_lab.collectives)."""
-        return CommEvent(self, start, name, nbytes, lane, args)
+        event = CommEvent(self, start, name, nbytes, lane, args)
+        self._open.add(event)
+        return event
 
     def _add_raw(self, lane, name, nbytes, start, end, kind, args) -> None:
         self._raw.append((lane, name, nbytes, start, end, kind, args))
@@ -191,17 +213,23 @@ class Timeline:
 
         ``modules``: (name, module) pairs; default: the model's children, with
         ModuleList/Sequential containers opened one level (``layers.0``, ``layers.1`` …).
-        Hooks stay until ``detach()`` or the end of the ``with`` block. Raises TypeError when
-        ``model`` (or a module in ``modules``) is not an ``nn.Module``.
+        Hooks stay until ``detach()`` or the end of the ``with`` block. A model without children
+        is one unit itself. Raises TypeError when ``model`` is not an ``nn.Module`` or ``modules``
+        not (name, module) pairs; RuntimeError outside ``with Timeline():``.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"Timeline.attach needs the model (an nn.Module), got {type(model).__name__}")
         if modules is None:
-            modules = default_units(model)
+            modules = default_units(model) or [(type(model).__name__, model)]  # a leaf: itself
         modules = list(modules)
-        wrong = [name for name, module in modules if not isinstance(module, nn.Module)]
+        wrong = [pair for pair in modules if not (isinstance(pair, tuple) and len(pair) == 2
+                                                  and isinstance(pair[1], nn.Module))]
         if wrong:
-            raise TypeError(f"Timeline.attach: modules must be (name, nn.Module) pairs; {wrong} are not modules")
+            raise TypeError(f"Timeline.attach: modules must be (name, nn.Module) pairs, e.g. "
+                            f"[('layers.0', model.layers[0])]; got {wrong[:3]}")
+        if self._clock is None:
+            raise RuntimeError("Timeline.attach before the timeline started: attach inside "
+                               "`with Timeline() as tl:` (its hooks go at the end of the block)")
         # The first unit (an embedding) takes integer ids, so PyTorch warns that its backward hook
         # fires when its output gradient arrives. That moment is the event we record; the warning
         # would only print a machine-specific path into every lab that times a step.
@@ -249,6 +277,8 @@ class Timeline:
         """One timeline holding the events of all given timelines (e.g. one per rank)."""
         merged = cls(rank=0, device="cpu")
         for tl in timelines:
+            if not isinstance(tl, Timeline):
+                raise TypeError(f"Timeline.merge takes Timelines (e.g. one per rank), got {type(tl).__name__}")
             merged._events.extend(tl.events)
         merged._events.sort(key=lambda e: (e.rank, e.t_start))
         return merged

@@ -183,5 +183,39 @@ def test_plot_phase_breakdown_stacks_phases_per_run():
 def test_attach_refuses_what_is_not_a_module():
     with pytest.raises(TypeError, match="needs the model \\(an nn.Module\\), got int"):
         Timeline().attach(3)
-    with pytest.raises(TypeError, match=r"\['head'\] are not modules"):
+    with pytest.raises(TypeError, match=r"must be \(name, nn.Module\) pairs, .*; got \[\('head', 'not a module'\)\]"):
         Timeline().attach(nn.Linear(2, 2), modules=[("head", "not a module")])
+    head = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"pairs, .*; got \[Linear"):
+        Timeline().attach(nn.Sequential(head), modules=[head])  # modules without their names
+    with pytest.raises(TypeError, match="Timeline.merge takes Timelines .*, got int"):
+        Timeline.merge([1, 2])
+    with pytest.raises(TypeError, match="rank number .* got '0'"):
+        Timeline(rank="0")
+    with pytest.raises(RuntimeError, match=r"attach inside `with Timeline\(\) as tl:`"):
+        Timeline().attach(nn.Linear(2, 2))  # before the block: its hooks would have no clock
+
+
+def test_a_leaf_model_is_its_own_unit():
+    model = nn.Linear(2, 2)
+    with Timeline() as tl:
+        tl.attach(model)
+        model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert [(e.name, e.args.get("phase")) for e in tl.compute_events()] == [("Linear forward", "forward"),
+                                                                       ("Linear backward", "backward")]
+
+
+def test_a_collective_not_waited_on_inside_the_block_is_left_out_with_a_warning():
+    import fsdp_lab
+    from fsdp_lab import collectives
+
+    with fsdp_lab.simulated_world(2):
+        with pytest.warns(UserWarning, match=r"1 asynchronous collective\(s\) \(all_reduce\) issued inside this "
+                                             "Timeline were not waited on"):
+            with Timeline() as tl:
+                waited = collectives.all_reduce(torch.ones(4), async_op=True)
+                waited.wait()
+                late = collectives.all_reduce(torch.ones(4), async_op=True)
+        before = [e.name for e in tl.comm_events()]
+        late.wait()  # after the block: the timeline stays as it was
+        assert before == ["all_reduce"] and [e.name for e in tl.comm_events()] == before
