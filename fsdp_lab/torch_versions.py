@@ -27,7 +27,10 @@ def set_version(tensor: torch.Tensor, version: int) -> None:
 
 def versions_kept(tensors: list[torch.Tensor]):
     """A context manager after which every tensor of ``tensors`` has the version counter it had
-    when the context was made."""
+    when the context was made. Under ``torch.inference_mode`` it does nothing: nothing this pass
+    makes is saved for a backward, and an inference tensor has no version counter."""
+    if torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
     if _TUPLES:
         return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
     stack = contextlib.ExitStack()

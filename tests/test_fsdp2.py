@@ -377,3 +377,35 @@ def test_misuse_is_named_with_the_fix(case, words):
             call = functools.partial(fully_shard(model), torch.ones(1, 4))
         with pytest.raises((ValueError, RuntimeError), match=re.escape(words)):
             call()
+
+
+def _inference_mode_forwards():
+    from fsdp_lab.fsdp2 import fully_shard
+
+    out = {}
+    for first in ("inference", "training"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+        fully_shard(model[0])
+        fully_shard(model)
+        x = torch.ones(4, 8)
+        if first == "training":
+            model(x).sum().backward()
+        with torch.inference_mode():
+            seen = model(x)
+        with torch.no_grad():
+            expected = model(x)
+        model(x).sum().backward()  # trains on after it, whichever came first
+        out[first] = (seen.clone(), expected, model[2].weight.grad.full_tensor())
+    return out
+
+
+def test_a_forward_under_inference_mode_matches_no_grad_and_training_goes_on():
+    # it failed inside FSDP2's copy-out ("Inference tensors do not track version counter") and
+    # left the model unusable; PyTorch's fully_shard runs it after a training step
+    for seen, expected, grad in fsdp_lab.launch(_inference_mode_forwards, world_size=2)[0].values():
+        torch.manual_seed(0)
+        reference = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+        assert torch.equal(seen, expected)
+        torch.testing.assert_close(seen, reference(torch.ones(4, 8)).detach(), rtol=1e-6, atol=1e-6)
+        assert grad.abs().sum() > 0

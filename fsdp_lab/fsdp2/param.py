@@ -34,6 +34,7 @@ unsharded accumulation dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 
@@ -235,16 +236,21 @@ class FSDPParam:
         """The flat, rank-major tensors the group copies gathered data into (allocated once,
         refilled by resizing their storage)."""
         if not self.all_gather_outputs:
-            self.all_gather_outputs = [
-                tag(torch.empty(t.numel() * self.world_size, dtype=d, device=self.device), "unsharded_params")
-                for t, d in zip(inputs, dtypes)
-            ]
+            with _made_for_training():
+                self.all_gather_outputs = [
+                    tag(torch.empty(t.numel() * self.world_size, dtype=d, device=self.device), "unsharded_params")
+                    for t, d in zip(inputs, dtypes)
+                ]
         for out in self.all_gather_outputs:
             _alloc_storage(out)
         return self.all_gather_outputs
 
     def init_unsharded_param(self, input_sizes: list[torch.Size]) -> None:
         """Build (first time) or refresh the unsharded parameter from ``all_gather_outputs``."""
+        with _made_for_training():
+            self._init_unsharded_param(input_sizes)
+
+    def _init_unsharded_param(self, input_sizes: list[torch.Size]) -> None:
         outputs = tuple(out.view(self.world_size * size[0], *size[1:]) if len(size) else out
                         for out, size in zip(self.all_gather_outputs, input_sizes))
         if self.is_extension:
@@ -394,3 +400,9 @@ class FSDPParam:
 def _tag_unsharded_grad(param: torch.Tensor) -> None:
     if listened() and param.grad is not None:
         tag(param.grad, "unsharded_grads")
+
+
+def _made_for_training():
+    """Tensors FSDP keeps from one pass to the next are made as normal tensors even in a pass under
+    ``torch.inference_mode`` (an inference tensor could not take part in a later training step)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
