@@ -47,3 +47,19 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+class StateDictMismatch(KeyError, RuntimeError):
+    """A state dict whose names do not match the model's. A RuntimeError, as
+    ``nn.Module.load_state_dict`` (and PyTorch's FSDP) raises for it, and a KeyError, as the names
+    are what is wrong. The message is shown as written (a KeyError's would be quoted)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]):
+    """``nn.Module.load_state_dict``'s return value: a named tuple ``(missing_keys, unexpected_keys)``."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    return _IncompatibleKeys(list(missing), list(unexpected))

@@ -483,3 +483,20 @@ def test_a_full_state_dict_inside_summon_full_params_says_to_call_it_outside():
                                                        "already, read them there; a full state_dict"):
                     model.state_dict()
             assert len(model.state_dict()) > 0  # outside, as it says; the model was left as it was
+
+
+def test_load_state_dict_raises_and_returns_what_nn_module_s_does():
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    with fsdp_lab.simulated_world(2):
+        model = FSDP(nn.Linear(4, 4))
+        weight = model.state_dict()["weight"]
+        wrong = {"weight": weight, "bogus": torch.zeros(1)}
+        # a RuntimeError, as PyTorch's FSDP1 (an nn.Module) raises: code that catches it still does
+        with pytest.raises(RuntimeError, match=r"Error\(s\) in loading state_dict for FullyShardedDataParallel: "
+                                               r"state dict mismatch: missing \['bias'\], unexpected \['bogus'\]"):
+            model.load_state_dict(wrong)
+        result = model.load_state_dict(wrong, strict=False)
+        assert (result.missing_keys, result.unexpected_keys) == (["bias"], ["bogus"])
+        with pytest.raises(NotImplementedError, match=r"assign=True"):
+            model.load_state_dict({"weight": weight, "bias": torch.zeros(4)}, assign=True)

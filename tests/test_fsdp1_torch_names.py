@@ -164,3 +164,19 @@ def test_set_and_get_state_dict_type_report_the_settings(ranks):
     assert ranks[0]["previous"] is api.StateDictType.FULL_STATE_DICT
     assert ranks[0]["now"] == torch_fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     assert ranks[0]["restored"] == torch_fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+
+
+@pytest.mark.parametrize("name,instead", [
+    ("full_optim_state_dict", "use FSDP.optim_state_dict"), ("scatter_full_optim_state_dict", "use FSDP.optim_state_dict"),
+    ("shard_full_optim_state_dict", "use FSDP.optim_state_dict"), ("sharded_optim_state_dict", "use FSDP.optim_state_dict"),
+    ("flatten_sharded_optim_state_dict", "use FSDP.optim_state_dict"), ("rekey_optim_state_dict", "use FSDP.optim_state_dict"),
+    ("register_comm_hook", "reduction is this package's own"), ("check_is_root", "outermost"),
+])
+def test_pytorch_methods_we_lack_name_themselves_not_the_wrapped_module(name, instead):
+    # a name the wrapper lacks is looked up on the wrapped module: the error blamed 'Linear'
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    assert hasattr(torch_fsdp.FullyShardedDataParallel, name)  # PyTorch's own, in this torch
+    with pytest.raises(NotImplementedError, match=f"FullyShardedDataParallel.{name} is PyTorch's and not "
+                                                   f"implemented here: .*{instead}"):
+        getattr(FSDP, name)(None, None)

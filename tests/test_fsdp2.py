@@ -409,3 +409,13 @@ def test_a_forward_under_inference_mode_matches_no_grad_and_training_goes_on():
         assert torch.equal(seen, expected)
         torch.testing.assert_close(seen, reference(torch.ones(4, 8)).detach(), rtol=1e-6, atol=1e-6)
         assert grad.abs().sum() > 0
+
+
+def test_pytorch_s_placement_keywords_are_taken_at_their_default_and_refused_otherwise():
+    from fsdp_lab.fsdp2 import fully_shard
+
+    with fsdp_lab.simulated_world(2):
+        sharded = fully_shard(nn.Linear(4, 4), shard_placement_fn=None, dp_mesh_dims=None)  # as torchtitan passes them
+        assert sharded.weight.placements[0].is_shard(0)
+        with pytest.raises(NotImplementedError, match=r"fully_shard\(shard_placement_fn=...\) is not supported"):
+            fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None)

@@ -321,11 +321,11 @@ def test_fsdp2_full_state_dict_that_does_not_match_is_refused_on_every_rank(runs
     for rank, ranks in enumerate(runs["loaded"]):
         seen = ranks["mismatch"]
         # a LoRA checkpoint into a model without adapters: the adapters named, nothing copied
-        assert seen["no lora"].startswith("KeyError: 'the full state dict does not match the model (not in "
+        assert seen["no lora"].startswith("StateDictMismatch: the full state dict does not match the model (not in "
                                           f"the model: {', '.join(adapters[:4])} and {len(adapters) - 4} more)")
         assert "apply_lora before loading" in seen["no lora"] and seen["no lora, unchanged"]
         listed = "the model: " + adapters[0] if rank == 0 else f"<{len(adapters)} names, listed on rank 0>"
-        assert seen["no lora, broadcast"].startswith("KeyError") and listed in seen["no lora, broadcast"]
+        assert seen["no lora, broadcast"].startswith("StateDictMismatch") and listed in seen["no lora, broadcast"]
         # strict=False: the names both have load; the other block's are returned, as nn.Module does
         assert seen["one layer, not strict"] == ([], sorted(k for k in saved if k.startswith("layers.1.")))
         assert seen["reshaped, broadcast"].startswith("ValueError: output.weight: the full state dict has shape "

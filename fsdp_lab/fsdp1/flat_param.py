@@ -349,7 +349,9 @@ class FlatParamHandle:
                 (start, end, tuple(info.shape)):
             got = (value.start, value.end) if isinstance(value, ShardedParam) else type(value).__name__
             raise ValueError(f"{name}: saved slice {got} is not this rank's slice {(start, end)}; "
-                             f"load a sharded state dict on the same world size and wrapping, or use a full one")
+                             f"load a sharded state dict on the same world size and wrapping, or use a full one "
+                             f"(torch.distributed.checkpoint keeps one rank's copy of each ShardedParam: for "
+                             f"it save fsdp_lab.fsdp1.dcp_state_dict(model))")
         self._copy_local(index, value.local)
 
     @torch.no_grad()

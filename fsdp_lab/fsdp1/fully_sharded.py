@@ -36,6 +36,26 @@ from fsdp_lab.precision import MixedPrecision, ParamDtypes, param_dtypes
 __all__ = ["FullyShardedDataParallel"]
 
 
+
+def _not_here(instead: str):
+    """A method of PyTorch's FSDP1 that this package lacks: calling it raises NotImplementedError
+    naming it and ``instead`` (an unknown attribute would be looked up on the wrapped module and
+    blamed on it)."""
+
+    class Missing:
+        def __set_name__(self, owner, name):
+            self.name = name
+
+        def __get__(self, instance, owner):
+            name = self.name
+
+            def refuse(*args, **kwargs):
+                raise NotImplementedError(f"FullyShardedDataParallel.{name} is PyTorch's and not "
+                                          f"implemented here: {instead}")
+            return refuse
+
+    return Missing()
+
 class FullyShardedDataParallel(ShardedUnit):
     """Shard ``module``'s parameters over ranks (FlatParameter design, PyTorch's API).
 
@@ -173,6 +193,19 @@ class FullyShardedDataParallel(ShardedUnit):
             for info in handle.infos:
                 claim(info.param, self)
         return handles
+
+    # --- PyTorch's FSDP1 methods this package does not have: say so, and what to use --------------
+    _USE_OPTIM_STATE_DICT = ("PyTorch deprecates it: use FSDP.optim_state_dict(model, optim) to save and "
+                             "FSDP.optim_state_dict_to_load(model, optim, state) to load")
+    full_optim_state_dict = _not_here(_USE_OPTIM_STATE_DICT)
+    sharded_optim_state_dict = _not_here(_USE_OPTIM_STATE_DICT)
+    shard_full_optim_state_dict = _not_here(_USE_OPTIM_STATE_DICT)
+    scatter_full_optim_state_dict = _not_here(_USE_OPTIM_STATE_DICT)
+    flatten_sharded_optim_state_dict = _not_here(_USE_OPTIM_STATE_DICT)
+    rekey_optim_state_dict = _not_here(_USE_OPTIM_STATE_DICT)
+    register_comm_hook = _not_here("the gradient reduction is this package's own (MixedPrecision's "
+                                   "reduce_dtype chooses the dtype it travels in)")
+    check_is_root = _not_here("the outermost FullyShardedDataParallel of a model is its root")
 
     # --- names: look through the wrapper like PyTorch does ---------------------------------------
     @property
@@ -315,7 +348,14 @@ class FullyShardedDataParallel(ShardedUnit):
         return result
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load what ``state_dict()`` returned (same state dict type, same world size for sharded)."""
+        """Load what ``state_dict()`` returned (same state dict type, same world size for sharded)
+        by copying into the shards; returns ``(missing_keys, unexpected_keys)`` as
+        ``nn.Module.load_state_dict`` does. Raises ``StateDictMismatch`` (a RuntimeError) for names
+        that do not match under ``strict``, NotImplementedError for ``assign=True`` (the shards
+        are FSDP's own tensors: nothing of the state dict can take their place)."""
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True): an FSDP1 model copies a state dict into "
+                                      "its shards; leave assign out")
         if self._state_dict_settings.state_dict_type == StateDictType.FULL_STATE_DICT:
             return sd.load_full_state_dict(self, state_dict, strict=strict)
         return sd.load_sharded_state_dict(self, state_dict, strict=strict)

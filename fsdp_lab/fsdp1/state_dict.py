@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_lab.checks import StateDictMismatch, incompatible_keys
 from fsdp_lab.fsdp1.handle import FlatHandle
 from fsdp_lab.fsdp1.layout import ShardedParam
 from fsdp_lab.fsdp1.runtime import clean_name, units_in
@@ -137,14 +138,16 @@ def sharded_state_dict(model: nn.Module) -> dict[str, object]:
 def _match_names(model: nn.Module, state: dict, strict: bool):
     """The model's parameters and persistent buffers by name, and the names only one side has.
 
-    Raises KeyError under ``strict`` when a name is missing or unexpected.
+    Raises ``StateDictMismatch`` (a RuntimeError and a KeyError) under ``strict`` when a name is
+    missing or unexpected.
     """
     expected = dict(model.named_parameters(remove_duplicate=False))
     expected.update(_persistent_buffers(model))
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if strict and (missing or unexpected):
-        raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise StateDictMismatch(f"Error(s) in loading state_dict for {type(model).__name__}: state dict "
+                                f"mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return expected, missing, unexpected
 
 
@@ -152,8 +155,9 @@ def _match_names(model: nn.Module, state: dict, strict: bool):
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True):
     """Copy each rank's slice of every full tensor in ``state`` into its shard.
 
-    Raises KeyError (strict) for missing/unexpected names, ValueError for a wrong shape.
-    Returns ``(missing, unexpected)`` name lists.
+    Raises ``StateDictMismatch`` (a RuntimeError and a KeyError; strict) for missing/unexpected
+    names, ValueError for a wrong shape. Returns ``(missing_keys, unexpected_keys)``, a named tuple
+    as ``nn.Module.load_state_dict`` returns.
     """
     return _load(model, state, strict, lambda handle: handle.load_full_entry)
 
@@ -162,7 +166,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], stric
 def load_sharded_state_dict(model: nn.Module, state: dict[str, object], strict: bool = True):
     """Inverse of ``sharded_state_dict`` on the same world size and wrapping.
 
-    Raises KeyError (strict) for missing/unexpected names; ValueError when an entry does not
+    Raises ``StateDictMismatch`` (strict) for missing/unexpected names; ValueError when an entry does not
     match this rank's part of the parameter (different world size or wrapping).
     """
     return _load(model, state, strict, lambda handle: handle.load_sharded_entry)
@@ -183,4 +187,4 @@ def _load(model: nn.Module, state: dict, strict: bool,
             continue
         handle, index = entry
         loader(handle)(index, state[name], name)
-    return missing, unexpected
+    return incompatible_keys(missing, unexpected)

@@ -53,10 +53,10 @@ _MESHES: dict[tuple[str, int], DeviceMesh] = {}
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int | None = None,
+                reshard_after_forward: bool | int | None = None, shard_placement_fn=None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None):
+                ignored_params: set[nn.Parameter] | None = None, dp_mesh_dims=None):
     """Shard ``module``'s parameters across ``mesh`` (like ``torch.distributed.fsdp.fully_shard``).
 
     ``module`` may be a list: its modules form one group (one all-gather), e.g. tied
@@ -70,7 +70,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     shards by default (``main_params_dtype``; PyTorch's FSDP2 keeps them in their own dtype,
     which ``MixedPrecisionPolicy(main_params_dtype=None)`` gives). ``ignored_params``: parameters
     left as they are, as PyTorch's: not sharded, not moved, their gradients not reduced (each
-    rank keeps its own). Returns ``module`` (now an ``FSDPModule``).
+    rank keeps its own). ``shard_placement_fn`` and ``dp_mesh_dims`` are PyTorch's keywords,
+    taken at their default (None) only: every parameter is sharded on dim 0 over ``mesh``.
+    Returns ``module`` (now an ``FSDPModule``).
 
     Raises:
         ValueError: the module is already an FSDPModule; a parameter is a DTensor (a module above it
@@ -80,9 +82,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         TypeError: a non-floating parameter; ``ignored_params`` not a collection of Parameters;
             a bad policy type (PyTorch's
             ``torch.distributed.fsdp.MixedPrecisionPolicy`` is accepted and converted).
-        NotImplementedError: an int ``reshard_after_forward`` (resharding to a smaller group).
+        NotImplementedError: an int ``reshard_after_forward`` (resharding to a smaller group), a
+            ``shard_placement_fn`` or ``dp_mesh_dims`` other than None.
         RuntimeError: no default process group.
     """
+    for keyword, value in (("shard_placement_fn", shard_placement_fn), ("dp_mesh_dims", dp_mesh_dims)):
+        if value is not None:
+            raise NotImplementedError(f"fully_shard({keyword}=...) is not supported here: every parameter "
+                                      "is sharded on dim 0 over the mesh (leave it out, or None)")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     mp_policy = MixedPrecisionPolicy.coerce(mp_policy)
     _check_args(modules, reshard_after_forward, mp_policy, offload_policy)

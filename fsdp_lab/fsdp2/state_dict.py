@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_lab import collectives
+from fsdp_lab.checks import StateDictMismatch, incompatible_keys
 from fsdp_lab.fsdp2.param import padded_rows
 
 __all__ = ["get_full_state_dict", "load_full_state_dict", "full_tensor", "load_full_tensor"]
@@ -152,14 +153,15 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
     mismatch raises on every rank instead of leaving the others waiting. ``strict`` (as
     ``nn.Module.load_state_dict``): names the model has and the state dict lacks, or the other
     way round, are refused before anything is copied; with ``strict=False`` they are skipped.
-    Returns ``(missing, unexpected)`` names (rank 0's, under ``broadcast_from_rank0``). Raises
-    KeyError (strict) for missing or unexpected names, ValueError for ``full_state_dict=None``
+    Returns ``(missing_keys, unexpected_keys)``, a named tuple as ``nn.Module.load_state_dict``
+    returns (rank 0's names under ``broadcast_from_rank0``). Raises ``StateDictMismatch`` (a
+    RuntimeError and a KeyError; strict) for missing or unexpected names, ValueError for ``full_state_dict=None``
     where it is read, a shape mismatch or an NF4 entry with other block sizes.
     """
     targets = model.state_dict()
     missing, unexpected = _mismatched_names(targets, full_state_dict, broadcast_from_rank0)
     if strict and (missing or unexpected):
-        raise KeyError(_mismatch_message(missing, unexpected))
+        raise StateDictMismatch(_mismatch_message(missing, unexpected))
     for key, target in targets.items():
         if key in missing:
             continue
@@ -174,7 +176,7 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
             load_full_tensor(target, source)
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from error
-    return sorted(missing), unexpected
+    return incompatible_keys(sorted(missing), unexpected)
 
 
 _MATCHES, _MISSING, _MISSHAPEN = 0, 1, 2
