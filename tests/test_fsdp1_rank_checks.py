@@ -500,3 +500,28 @@ def test_load_state_dict_raises_and_returns_what_nn_module_s_does():
         assert (result.missing_keys, result.unexpected_keys) == (["bias"], ["bogus"])
         with pytest.raises(NotImplementedError, match=r"assign=True"):
             model.load_state_dict({"weight": weight, "bias": torch.zeros(4)}, assign=True)
+
+
+def test_state_dicts_keep_nn_module_s_key_order_and_the_buffers_own_dtype():
+    # nn.Module.state_dict walks module by module (parameters, then buffers); PyTorch's FSDP1 keeps
+    # that order and gives buffers cast by MixedPrecision.buffer_dtype back in their own dtype
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, MixedPrecision, ModuleWrapPolicy, StateDictType
+
+    def plain():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+        model.register_buffer("scale", torch.full((4,), 1.5))
+        return model
+
+    reference = plain().state_dict()
+    with fsdp_lab.simulated_world(2):
+        model = FSDP(plain(), auto_wrap_policy=ModuleWrapPolicy({nn.BatchNorm1d, nn.LayerNorm}),
+                     mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+        model(torch.ones(3, 4)).sum().backward()
+        assert model.scale.dtype == torch.bfloat16  # the forward ran with bf16 buffers
+        for kind in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
+            with FSDP.state_dict_type(model, kind):
+                state = model.state_dict()
+            assert list(state) == list(reference), kind
+            buffers = [name for name in reference if "running" in name or name in ("scale", "1.num_batches_tracked")]
+            assert [state[name].dtype for name in buffers] == [reference[name].dtype for name in buffers], kind

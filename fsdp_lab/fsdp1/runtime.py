@@ -43,13 +43,17 @@ from fsdp_lab.passthrough import call_after_input_grads
 from fsdp_lab.precision import cast_floating, tensors_in
 from fsdp_lab.states import ShardedState, StepState, TrainingState, assert_in_states
 
-__all__ = ["ShardedUnit", "units_in", "owner_of", "claim", "clean_name", "WRAPPED"]
+__all__ = ["ShardedUnit", "units_in", "owner_of", "claim", "clean_name", "WRAPPED", "BUFFER_DTYPES"]
 
 WRAPPED = "_fsdp_wrapped_module"
 
 # Original parameter -> weak reference to the unit that manages it. Weak both ways: a
 # parameter pointing at its unit would keep the whole model in a reference cycle.
 _OWNERS = WeakIdKeyDictionary()
+
+# A buffer cast to MixedPrecision.buffer_dtype -> the dtype it had: state dicts give it back in
+# that dtype, as PyTorch's FSDP1 does.
+BUFFER_DTYPES = WeakIdKeyDictionary()
 
 
 def owner_of(param: torch.Tensor) -> "ShardedUnit | None":
@@ -231,7 +235,8 @@ class ShardedUnit(nn.Module):
             for buf_owner in self.modules():
                 for key, buf in buf_owner._buffers.items():
                     if buf is not None and buf.is_floating_point():
-                        buf_owner._buffers[key] = buf.to(self.mixed_precision.buffer_dtype)
+                        cast = buf_owner._buffers[key] = buf.to(self.mixed_precision.buffer_dtype)
+                        BUFFER_DTYPES[cast] = BUFFER_DTYPES.get(buf, buf.dtype)
 
     @property
     def _name(self) -> str:

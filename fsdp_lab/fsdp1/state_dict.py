@@ -26,7 +26,7 @@ import torch.nn as nn
 from fsdp_lab.checks import StateDictMismatch, incompatible_keys
 from fsdp_lab.fsdp1.handle import FlatHandle
 from fsdp_lab.fsdp1.layout import ShardedParam
-from fsdp_lab.fsdp1.runtime import clean_name, units_in
+from fsdp_lab.fsdp1.runtime import BUFFER_DTYPES, clean_name, units_in
 from fsdp_lab.states import StepState, TrainingState, assert_in_states
 
 __all__ = ["ShardedParam", "summon_full_params", "full_state_dict", "sharded_state_dict",
@@ -106,6 +106,22 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _saved_buffer(buf: torch.Tensor) -> torch.Tensor:
+    """A buffer as a state dict holds it: in its own dtype, not MixedPrecision's buffer_dtype."""
+    return buf.detach().cpu().to(BUFFER_DTYPES.get(buf, buf.dtype), copy=True)
+
+
+def _in_module_order(model: nn.Module, out: dict) -> dict:
+    """``out`` in ``nn.Module.state_dict``'s order: each module's parameters, then its buffers,
+    module by module as ``named_modules`` walks them."""
+    order = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        names = [*module._parameters, *(b for b in module._buffers if b not in module._non_persistent_buffers_set)]
+        order += [clean_name(f"{prefix}.{name}" if prefix else name) for name in names]
+    ordered = {name: out[name] for name in dict.fromkeys(order) if name in out}
+    return ordered | out  # anything the walk missed keeps its place at the end
+
+
 def full_state_dict(model: nn.Module, offload_to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (full shape, own dtype, a copy: on CPU, or with ``offload_to_cpu=False`` on
     its device) and persistent buffer by original name. Every rank takes part; with
@@ -119,8 +135,9 @@ def full_state_dict(model: nn.Module, offload_to_cpu: bool = True, rank0_only: b
                 out[name] = copy(param)
     if keep:
         for name, buf in _persistent_buffers(model).items():
-            out[name] = copy(buf)
-    return out
+            out[name] = _saved_buffer(buf) if offload_to_cpu else buf.detach().to(BUFFER_DTYPES.get(buf, buf.dtype),
+                                                                                     copy=True)
+    return _in_module_order(model, out)
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, object]:
@@ -131,8 +148,8 @@ def sharded_state_dict(model: nn.Module) -> dict[str, object]:
         entry = managed.get(id(param))
         out[name] = param.detach().cpu().clone() if entry is None else entry[0].sharded_entry(entry[1])
     for name, buf in _persistent_buffers(model).items():
-        out[name] = buf.detach().cpu().clone()
-    return out
+        out[name] = _saved_buffer(buf)
+    return _in_module_order(model, out)
 
 
 def _match_names(model: nn.Module, state: dict, strict: bool):
