@@ -206,6 +206,14 @@ def test_timeline_has_phase_boundaries(source):
 def test_bad_phase_module_is_named():
     with pytest.raises(ValueError, match="nope"):
         MemoryTracker(small_model(), phase_modules=["nope"])
+    with pytest.raises(ValueError, match=r"phase_modules \['block'\] are not submodules"):  # not its letters
+        MemoryTracker(small_model(), phase_modules="block")
+    model = small_model()
+    with MemoryTracker(model, phase_modules="0") as mt:  # one name alone
+        model(torch.randn(2, 64))
+    assert [label for label, _ in mt.timeline()] == ["start", "forward 0 start", "forward 0 end", "end"]
+    with pytest.raises(ValueError, match="device='meta'.* meta tensors hold no bytes"):
+        MemoryTracker(small_model(), device="meta")
 
 
 @SOURCES

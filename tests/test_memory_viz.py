@@ -44,6 +44,26 @@ def test_plot_memory_curve_from_a_tracker():
         plot_memory_curve([])
 
 
+def test_plots_and_tables_take_what_a_tracker_gives():
+    from fsdp_lab.memory.results import format_rows, merge_ranks
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with MemoryTracker(model) as mt:
+        model(torch.randn(4, 8)).sum().backward()
+    result = mt.result()
+    # a MemoryResult stands for its peak, the tracker for its result, one result for one rank
+    by_result = bar_heights(plot_breakdown({"rank 0": result}, unit="B"))
+    assert by_result == bar_heights(plot_breakdown({"rank 0": result.peak}, unit="B"))
+    assert [t.get_text() for t in plot_memory_curve(mt, label_every=1).get_xticklabels()] == \
+        [label for label, _ in result.timeline]
+    assert merge_ranks(result) == merge_ranks([result])
+    with pytest.raises(ValueError, match="format_rows needs at least one row"):
+        format_rows([])
+    with pytest.raises(TypeError, match="a memory breakdown is .* got int"):
+        plot_breakdown({"rank 0": 3})
+    plt.close("all")
+
+
 def area_at(ax, category, x):
     """(bottom, top) of a category's stacked area at ``x``, from the drawn polygon's vertices."""
     (area,) = [c for c in ax.collections if c.get_label() == category]
@@ -230,12 +250,14 @@ def test_every_memory_table_and_plot_takes_the_same_units_and_names_them_on_a_wr
     assert format_rows(rows, unit="KiB").splitlines()[1].split() == ["0", "3072.000"]
     assert plot_breakdown([{"params": 2**30}], unit="GB").patches[0].get_height() == pytest.approx(1.073741824)
     plt.close("all")
-    calls = [lambda: breakdown.table("MB"), lambda: format_rows(rows, unit="MB"),
-             lambda: plot_breakdown([breakdown], unit="MB"),
-             lambda: plot_memory_curve([("start", {"params": 1})], unit="MB"),
-             lambda: plot_estimate_vs_measured(breakdown, breakdown, unit="MB")]
+    # decimal units as spec sheets print them: 3 MiB = 3.145728 MB = 3145.728 KB
+    assert "3.146 MB" in breakdown.table("MB") and format_rows(rows, unit="KB").splitlines()[1].split() == ["0", "3145.728"]
+    calls = [lambda: breakdown.table("Mb"), lambda: format_rows(rows, unit="Mb"),
+             lambda: plot_breakdown([breakdown], unit="Mb"),
+             lambda: plot_memory_curve([("start", {"params": 1})], unit="Mb"),
+             lambda: plot_estimate_vs_measured(breakdown, breakdown, unit="Mb")]
     for call in calls:
-        with pytest.raises(ValueError, match="unit must be one of B, KiB, MiB, GiB, GB, got 'MB'"):
+        with pytest.raises(ValueError, match="unit must be one of B, KiB, MiB, GiB, KB, MB, GB, got 'Mb'"):
             call()
     plt.close("all")
 

@@ -52,7 +52,7 @@ def add_estimate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cpu-offload", action="store_true", help="sharded states in host memory")
     p.add_argument("--qlora", action="store_true", help="NF4 base weights with LoRA adapters")
     p.add_argument("--no-reshard-after-forward", action="store_true", help="FSDP2: keep blocks gathered")
-    p.add_argument("--unit", default="GiB", choices=("MiB", "GiB", "GB"))
+    p.add_argument("--unit", default="GiB", choices=("MiB", "GiB", "MB", "GB"))
     # a combination estimate() refuses is reported like any bad argument: usage, message, exit 2
     p.set_defaults(func=run_estimate, usage_error=p.error)
     return p

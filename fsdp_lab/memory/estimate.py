@@ -88,7 +88,7 @@ class Breakdown:
                                          "optimizer_state", "quantized"))
 
     def table(self, unit: str = "GiB") -> str:
-        """Text table of the non-zero categories and the total in ``unit`` (B, KiB, MiB, GiB, GB).
+        """Text table of the non-zero categories and the total in ``unit`` (B, KiB, MiB, GiB, KB, MB, GB).
         Raises ValueError for another unit."""
         scale = unit_scale(unit)
         rows = [f"{c:<18}{v / scale:>12.3f} {unit}" for c, v in self.bytes.items() if v]

@@ -41,6 +41,8 @@ def merge_ranks(results: Iterable[MemoryResult], which: str = "peak") -> list[di
     """
     if which not in ("peak", "current"):
         raise ValueError(f"which must be 'peak' or 'current', got {which!r}")
+    if isinstance(results, MemoryResult):  # one rank's
+        results = [results]
     rows = []
     for result in sorted(results, key=lambda r: r.rank):
         values = getattr(result, which)
@@ -52,7 +54,8 @@ def merge_ranks(results: Iterable[MemoryResult], which: str = "peak") -> list[di
 
 
 # bytes per unit, for every table and plot of memory
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "GB": 1e9}
+# binary units (what allocators and these tables count in) and decimal ones (what spec sheets print)
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 def unit_scale(unit: str) -> float:
@@ -64,8 +67,10 @@ def unit_scale(unit: str) -> float:
 
 def format_rows(rows: list[dict], unit: str = "MiB", skip_zero: bool = True) -> str:
     """A fixed-width text table of ``merge_ranks`` rows (or any rows of byte counts) in ``unit``
-    (B, KiB, MiB, GiB, GB). Raises ValueError for another unit."""
+    (a key of ``UNITS``: B, KiB, MiB, GiB, KB, MB, GB). Raises ValueError for another unit."""
     scale = unit_scale(unit)
+    if not rows:
+        raise ValueError("format_rows needs at least one row, e.g. merge_ranks(results) of the ranks' MemoryResults")
     keys = [k for k in rows[0] if k != "rank"]
     if skip_zero:
         keys = [k for k in keys if any(r.get(k, 0) for r in rows)]

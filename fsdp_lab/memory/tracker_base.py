@@ -41,6 +41,9 @@ class TrackerBase(StorageLedger):
             param = next(iter(model.parameters()), None) if model is not None else None
             device = param.device if param is not None else "cpu"
         self.device = torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("MemoryTracker(device='meta'): meta tensors hold no bytes; under FakeTensorMode a "
+                             "fake tensor counts as the device it stands for (leave device out, or name that one)")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"MemoryTracker(device={str(device)!r}) but this process sees no CUDA GPU "
                              f"(torch {torch.__version__}); leave device out to track the model's own "
@@ -49,6 +52,8 @@ class TrackerBase(StorageLedger):
         modules = _modules_by_name(model) if model is not None else {}
         if phase_modules is None:
             phase_modules = [n for n, m in modules.items() if n and _is_phase_module(n, m, modules)]
+        elif isinstance(phase_modules, str):  # one name, not its letters
+            phase_modules = [phase_modules]
         missing = [n for n in phase_modules if n not in modules]
         if missing:
             raise ValueError(f"phase_modules {missing} are not submodules of the model; "

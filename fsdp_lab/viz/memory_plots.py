@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from fsdp_lab.memory.results import UNITS, unit_scale  # noqa: F401  (UNITS: the units plots accept)
+from fsdp_lab.memory.results import UNITS, MemoryResult, unit_scale  # noqa: F401  (UNITS: the units plots accept)
 from fsdp_lab.memory.tags import CATEGORIES
 
 # one fixed colour per category, the same in every figure
@@ -28,7 +28,13 @@ COLORS_BESIDE_TIMELINE = COLORS | {
 
 
 def _values(breakdown) -> dict[str, int]:
+    """{category: bytes} of a dict, an estimate's ``Breakdown`` or a tracker's ``MemoryResult`` (its peak)."""
+    if isinstance(breakdown, MemoryResult):
+        breakdown = breakdown.peak
     values = getattr(breakdown, "bytes", breakdown)
+    if not isinstance(values, dict):
+        raise TypeError(f"a memory breakdown is {{category: bytes}}, an estimate's Breakdown or a MemoryResult; "
+                        f"got {type(breakdown).__name__}")
     unknown = set(values) - set(CATEGORIES)
     if unknown:
         raise ValueError(f"unknown memory categories {sorted(unknown)}; use names from fsdp_lab.memory.CATEGORIES")
@@ -80,6 +86,8 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
     ``label_every`` > 0 writes every n-th phase label on the x axis. Returns the Axes.
     Raises ValueError for an empty timeline, an unknown category or unit.
     """
+    if callable(getattr(timeline, "result", None)):  # the tracker itself: what it measured
+        timeline = timeline.result()
     if hasattr(timeline, "timeline"):  # a MemoryResult: its peak unless one is given
         if peak is None:
             peak, peak_label = timeline.peak, peak_label or timeline.peak_label
