@@ -213,6 +213,8 @@ class Timeline:
 
         ``modules``: (name, module) pairs; default: the model's children, with
         ModuleList/Sequential containers opened one level (``layers.0``, ``layers.1`` …).
+        Module hooks fire before an FSDP unit's own, so on a sharded model a unit's spans hold its
+        blocking all-gathers: for ``overlap()`` of FSDP units use ``unit_timing.attach_units``.
         Hooks stay until ``detach()`` or the end of the ``with`` block. A model without children
         is one unit itself. Raises TypeError when ``model`` is not an ``nn.Module`` or ``modules``
         not (name, module) pairs; RuntimeError outside ``with Timeline():``.
@@ -298,7 +300,10 @@ class Timeline:
         """Per rank: the fraction of comm time during which compute was also running.
 
         Both sides are first merged into unions of intervals (nested compute spans and
-        concurrent collectives count once); a rank with no comm gets 0.0.
+        concurrent collectives count once); a rank with no comm gets 0.0. Compute spans from
+        ``attach`` contain a sharded unit's blocking all-gather in backward (module hooks fire
+        before FSDP's), so on an FSDP model that counts as hidden; time FSDP units with
+        ``fsdp_lab.unit_timing.attach_units`` (what ``compare`` does) to measure overlap.
         """
         result = {}
         for rank in self.ranks():
