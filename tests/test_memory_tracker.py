@@ -203,6 +203,35 @@ def test_timeline_has_phase_boundaries(source):
         assert set(snap) == set(CATEGORIES)
 
 
+@SOURCES
+def test_backward_phases_end_before_the_module_before_them_starts(source):
+    # one gradient ends a module's backward and starts the one before it: the end comes first
+    # (written by hand from the model's order); a module that returns a dict gets its start too
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.dec(self.enc(x))
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return {"hidden": self.inner(x)}
+
+    model = Halves()
+    model.enc = nn.Sequential(Encoder())
+    model.enc.forward = lambda x: model.enc[0](x)["hidden"]
+    with MemoryTracker(model, source=source, phase_modules=["enc.0", "dec"]) as mt:
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    backward = [label for label, _ in mt.timeline() if label.startswith("backward")]
+    assert backward == ["backward dec start", "backward dec end", "backward enc.0 start", "backward enc.0 end"]
+
+
 def test_bad_phase_module_is_named():
     with pytest.raises(ValueError, match="nope"):
         MemoryTracker(small_model(), phase_modules=["nope"])

@@ -11,10 +11,12 @@ their ``__enter__``/``__exit__``, built from ``_hook_in``, ``_unhook`` and ``_fi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable, Iterable
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_lab.checks import check_model_and_optimizer
 from fsdp_lab.memory import tags
@@ -70,6 +72,7 @@ class TrackerBase(StorageLedger):
         self._buffer_keys: set[int] = set()
         self._params: list = []  # the model's parameters as the tracker started (one walk of the model)
         self._cuda: dict[str, int] = {}
+        self._grad_marks = WeakIdKeyDictionary()  # tensor -> [(ends, label)] marked when its gradient arrives
         self._active = False
 
     # called with the innermost tag_scope category whenever one opens or closes (None: the
@@ -115,7 +118,7 @@ class TrackerBase(StorageLedger):
                 self._mark(f"forward {name} start")
                 grad_in = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
                 if grad_in is not None:
-                    grad_in.register_hook(lambda g: self._mark(f"backward {name} end"))
+                    self._mark_when_grad_arrives(grad_in, f"backward {name} end", ends=True)
             return hook
 
         def fwd_post(name):
@@ -125,10 +128,11 @@ class TrackerBase(StorageLedger):
                     return
                 self._mark(f"forward {name} end")
                 out = output if isinstance(output, torch.Tensor) else None
-                if out is None and isinstance(output, (tuple, list)):
-                    out = next((o for o in output if isinstance(o, torch.Tensor)), None)
+                if out is None and isinstance(output, (tuple, list, Mapping)):  # a Hugging Face output too
+                    values = output.values() if isinstance(output, Mapping) else output
+                    out = next((o for o in values if isinstance(o, torch.Tensor) and o.requires_grad), None)
                 if out is not None and out.requires_grad:
-                    out.register_hook(lambda g: self._mark(f"backward {name} start"))
+                    self._mark_when_grad_arrives(out, f"backward {name} start", ends=False)
             return hook
 
         for name, module in self._phase_modules:
@@ -148,6 +152,21 @@ class TrackerBase(StorageLedger):
                 self._mark("optimizer step end")
             self._handles.append(self.optimizer.register_step_pre_hook(step_pre))
             self._handles.append(self.optimizer.register_step_post_hook(step_post))
+
+    def _mark_when_grad_arrives(self, tensor: torch.Tensor, label: str, *, ends: bool) -> None:
+        """Mark ``label`` when ``tensor``'s gradient arrives. One module's output is often the next
+        one's input, so one gradient can end the later module's backward and start the earlier
+        one's: one hook per tensor marks its ends before its starts (hooks of one tensor would fire
+        in the order forward registered them, the start first)."""
+        marks = self._grad_marks.get(tensor)
+        if marks is None:
+            marks = self._grad_marks[tensor] = []
+
+            def mark_all(grad):
+                for _, each in sorted(marks, key=lambda m: not m[0]):
+                    self._mark(each)
+            tensor.register_hook(mark_all)
+        marks.append((ends, label))
 
     def _register_existing(self) -> None:
         # runs at every tracker's start, before ``_install_hooks``: each list of the model's
