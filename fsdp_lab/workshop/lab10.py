@@ -87,8 +87,8 @@ def _run_shard(answer):
 
 
 def _explain_shard(error: BaseException, text: str):
-    # fully_shard copying a parameter that is already a DTensor: an outer module was sharded first
-    if "got mixed torch.Tensor and DTensor" in text and "in fully_shard" in text:
+    # fully_shard meeting a parameter that is already a DTensor: an outer module was sharded first
+    if "is a DTensor already: fully_shard of a module above it ran first" in text:
         return mistake("root_first", "fully_shard met parameters that an earlier fully_shard had already made "
                                      "DTensors: the root was sharded before its decoder layers and took their "
                                      "parameters into its group. fully_shard each decoder layer first, then "
