@@ -194,7 +194,7 @@ def _mismatched_names(targets: dict, full_state_dict, broadcast_from_rank0: bool
     codes, unexpected = [_MATCHES] * len(targets), []
     if reads and given:
         codes = [_MISSING if k not in full_state_dict
-                 else _MISSHAPEN if tuple(full_state_dict[k].shape) != tuple(t.shape) else _MATCHES
+                 else _MISSHAPEN if _shape(full_state_dict[k]) != _shape(t) else _MATCHES
                  for k, t in targets.items()]
         unexpected = sorted(k for k in full_state_dict if k not in targets)
     if broadcast_from_rank0:
@@ -209,9 +209,13 @@ def _mismatched_names(targets: dict, full_state_dict, broadcast_from_rank0: bool
                          "at least, with broadcast_from_rank0=True)")
     for (key, target), code in zip(targets.items(), codes):
         if code == _MISSHAPEN:
-            saved = tuple(full_state_dict[key].shape) if reads else "another (on rank 0)"
+            saved = _shape(full_state_dict[key]) if reads else "another (on rank 0)"
             raise ValueError(f"{key}: the full state dict has shape {saved}, the model {tuple(target.shape)}")
     return {k for k, code in zip(targets, codes) if code == _MISSING}, unexpected
+
+
+def _shape(value) -> tuple:
+    return tuple(getattr(value, "shape", ()))  # a module's extra state need not be a tensor
 
 
 def _mismatch_message(missing, unexpected) -> str:
