@@ -419,3 +419,45 @@ def test_pytorch_s_placement_keywords_are_taken_at_their_default_and_refused_oth
         assert sharded.weight.placements[0].is_shard(0)
         with pytest.raises(NotImplementedError, match=r"fully_shard\(shard_placement_fn=...\) is not supported"):
             fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: None)
+
+
+class _WithExtraState(nn.Linear):
+    """A module with extra state, as nn.Module saves it (``<module>._extra_state``)."""
+
+    def get_extra_state(self):
+        return {"step": int(self.weight.numel())}
+
+    def set_extra_state(self, state):
+        self.loaded = state
+
+
+def _extra_state_round_trip():
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp2 import fully_shard, get_full_state_dict, load_full_state_dict
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(_WithExtraState(4, 4), nn.Linear(4, 2))
+        fully_shard(model[0])
+        return fully_shard(model)
+
+    saved = get_full_state_dict(build(0), rank0_only=False)
+    out = {"saved": saved}
+    for broadcast in (False, True):
+        model = build(1)
+        given = saved if dist.get_rank() == 0 or not broadcast else None
+        out[broadcast] = (load_full_state_dict(model, given, broadcast_from_rank0=broadcast),
+                          model[0].loaded, get_full_state_dict(model, rank0_only=False))
+    return out
+
+
+def test_a_module_s_extra_state_round_trips_through_full_state_dicts():
+    reference = nn.Sequential(_WithExtraState(4, 4), nn.Linear(4, 2))  # what nn.Module saves
+    for rank in fsdp_lab.launch(_extra_state_round_trip, world_size=2):
+        assert list(rank["saved"]) == list(reference.state_dict())
+        assert rank["saved"]["0._extra_state"] == {"step": 16}
+        for broadcast in (False, True):
+            result, loaded, after = rank[broadcast]
+            assert (result.missing_keys, result.unexpected_keys) == ([], []) and loaded == {"step": 16}
+            assert all(torch.equal(after[k], v) for k, v in rank["saved"].items() if isinstance(v, torch.Tensor))

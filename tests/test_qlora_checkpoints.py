@@ -324,8 +324,8 @@ def test_fsdp2_full_state_dict_that_does_not_match_is_refused_on_every_rank(runs
         assert seen["no lora"].startswith("StateDictMismatch: the full state dict does not match the model (not in "
                                           f"the model: {', '.join(adapters[:4])} and {len(adapters) - 4} more)")
         assert "apply_lora before loading" in seen["no lora"] and seen["no lora, unchanged"]
-        listed = "the model: " + adapters[0] if rank == 0 else f"<{len(adapters)} names, listed on rank 0>"
-        assert seen["no lora, broadcast"].startswith("StateDictMismatch") and listed in seen["no lora, broadcast"]
+        # read by rank 0 alone: every rank names them as rank 0 sees them
+        assert seen["no lora, broadcast"] == seen["no lora"]
         # strict=False: the names both have load; the other block's are returned, as nn.Module does
         assert seen["one layer, not strict"] == ([], sorted(k for k in saved if k.startswith("layers.1.")))
         assert seen["reshaped, broadcast"].startswith("ValueError: output.weight: the full state dict has shape "

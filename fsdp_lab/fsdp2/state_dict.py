@@ -93,6 +93,9 @@ def get_full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu: bool 
     """
     full = {}
     for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):  # a module's extra state: kept as it is
+            full[key] = value
+            continue
         try:
             tensor = full_tensor(value)
         except (NotImplementedError, ValueError) as error:
@@ -153,10 +156,12 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
     mismatch raises on every rank instead of leaving the others waiting. ``strict`` (as
     ``nn.Module.load_state_dict``): names the model has and the state dict lacks, or the other
     way round, are refused before anything is copied; with ``strict=False`` they are skipped.
+    A module's extra state (``get_extra_state``) goes to its ``set_extra_state``.
     Returns ``(missing_keys, unexpected_keys)``, a named tuple as ``nn.Module.load_state_dict``
-    returns (rank 0's names under ``broadcast_from_rank0``). Raises ``StateDictMismatch`` (a
-    RuntimeError and a KeyError; strict) for missing or unexpected names, ValueError for ``full_state_dict=None``
-    where it is read, a shape mismatch or an NF4 entry with other block sizes.
+    returns (rank 0's names on every rank under ``broadcast_from_rank0``). Raises
+    ``StateDictMismatch`` (a RuntimeError and a KeyError; strict) for missing or unexpected names;
+    ValueError, whatever ``strict`` is, for ``full_state_dict=None`` where it is read, a shape
+    mismatch (where ``nn.Module`` raises RuntimeError) or an NF4 entry with other block sizes.
     """
     targets = model.state_dict()
     missing, unexpected = _mismatched_names(targets, full_state_dict, broadcast_from_rank0)
@@ -164,6 +169,9 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
         raise StateDictMismatch(_mismatch_message(missing, unexpected))
     for key, target in targets.items():
         if key in missing:
+            continue
+        if not isinstance(target, torch.Tensor):  # a module's extra state: its module sets it
+            _load_extra_state(model, key, full_state_dict, broadcast_from_rank0)
             continue
         if broadcast_from_rank0:
             source = _broadcast_source(key, target, full_state_dict)
@@ -179,6 +187,19 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
     return incompatible_keys(sorted(missing), unexpected)
 
 
+def _load_extra_state(model: nn.Module, key: str, full_state_dict, broadcast_from_rank0: bool) -> None:
+    """Give ``<module>._extra_state`` to its module (``set_extra_state``), rank 0's to every rank
+    under ``broadcast_from_rank0``."""
+    if broadcast_from_rank0:
+        value = [full_state_dict[key] if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(value, src=0)
+        value = value[0]
+    else:
+        value = _entry(full_state_dict, key)
+    owner = key.rpartition(".")[0]
+    (model.get_submodule(owner) if owner else model).set_extra_state(value)
+
+
 _MATCHES, _MISSING, _MISSHAPEN = 0, 1, 2
 
 
@@ -186,9 +207,8 @@ def _mismatched_names(targets: dict, full_state_dict, broadcast_from_rank0: bool
     """(missing, unexpected) names of ``full_state_dict`` against the model's ``targets``. Under
     ``broadcast_from_rank0`` rank 0 tells every rank which of the model's names it lacks or holds
     in another shape (a code per name, in the model's order: every rank then skips the same
-    broadcasts, and none waits in one rank 0 refused); unexpected names are listed on rank 0 and
-    counted elsewhere. Raises ValueError, on every rank, when the dict to read is None or an entry
-    has another shape than the model's."""
+    broadcasts, and none waits in one rank 0 refused), and its unexpected names. Raises ValueError,
+    on every rank, when the dict to read is None or an entry has another shape than the model's."""
     reads = not broadcast_from_rank0 or torch.distributed.get_rank() == 0
     given = full_state_dict is not None
     codes, unexpected = [_MATCHES] * len(targets), []
@@ -198,19 +218,22 @@ def _mismatched_names(targets: dict, full_state_dict, broadcast_from_rank0: bool
                  for k, t in targets.items()]
         unexpected = sorted(k for k in full_state_dict if k not in targets)
     if broadcast_from_rank0:
-        device = _local_device(next(iter(targets.values()))) if targets else torch.device("cpu")
+        first = next((t for t in targets.values() if isinstance(t, torch.Tensor)), None)
+        device = _local_device(first) if first is not None else torch.device("cpu")
         flags = torch.tensor([int(given), len(unexpected), *codes], device=device)
         collectives.broadcast(flags, 0, meta={"module": "state_dict"})
         given, n_unexpected, *codes = flags.tolist()
-        if not reads and n_unexpected:
-            unexpected = [f"<{n_unexpected} names, listed on rank 0>"]
+        if n_unexpected:  # every rank returns (or names) them, as rank 0 sees them
+            names = [unexpected]
+            torch.distributed.broadcast_object_list(names, src=0)
+            unexpected = names[0]
     if not given:
         raise ValueError("load_full_state_dict got full_state_dict=None; pass the state dict (on rank 0 "
                          "at least, with broadcast_from_rank0=True)")
     for (key, target), code in zip(targets.items(), codes):
         if code == _MISSHAPEN:
             saved = _shape(full_state_dict[key]) if reads else "another (on rank 0)"
-            raise ValueError(f"{key}: the full state dict has shape {saved}, the model {tuple(target.shape)}")
+            raise ValueError(f"{key}: the full state dict has shape {saved}, the model {_shape(target)}")
     return {k for k, code in zip(targets, codes) if code == _MISSING}, unexpected
 
 
