@@ -134,15 +134,17 @@ class Timeline:
     without one), device to CUDA's current device when the default process group uses
     NCCL or CUDA is initialised, else CPU. An asynchronous collective issued inside the block
     is recorded when its handle is waited on; one still not waited on when the block ends is
-    left out, with a warning. Raises TypeError for a rank that is not an int >= 0, ValueError
-    for a CUDA device where this process sees no GPU.
+    left out, with a warning. Raises TypeError for a rank that is not an int, ValueError for a
+    negative one or a CUDA device where this process sees no GPU.
     """
 
     def __init__(self, rank: int | None = None, device: torch.device | str | None = None):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise TypeError(f"Timeline(rank=...) takes a rank number (an int >= 0), got {rank!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise TypeError(f"Timeline(rank=...) takes a rank number (an int), got {rank!r}")
+        if rank < 0:
+            raise ValueError(f"Timeline(rank=...) takes a rank number >= 0, got {rank}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if (
                 torch.cuda.is_available() and torch.cuda.is_initialized()) else torch.device("cpu")
@@ -213,24 +215,25 @@ class Timeline:
 
         ``modules``: (name, module) pairs; default: the model's children, with
         ModuleList/Sequential containers opened one level (``layers.0``, ``layers.1`` …).
-        Module hooks fire before an FSDP unit's own, so on a sharded model a unit's spans hold its
-        blocking all-gathers: for ``overlap()`` of FSDP units use ``unit_timing.attach_units``.
+        In backward, module hooks fire before an FSDP unit's own, so on a sharded model a unit's
+        backward span holds its blocking all-gather: for ``overlap()`` of FSDP units use
+        ``unit_timing.attach_units``.
         Hooks stay until ``detach()`` or the end of the ``with`` block. A model without children
         is one unit itself. Raises TypeError when ``model`` is not an ``nn.Module`` or ``modules``
-        not (name, module) pairs; RuntimeError outside ``with Timeline():``.
+        not (name, module) pairs; RuntimeError outside its ``with`` block.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"Timeline.attach needs the model (an nn.Module), got {type(model).__name__}")
         if modules is None:
             modules = default_units(model) or [(type(model).__name__, model)]  # a leaf: itself
         modules = list(modules)
-        wrong = [pair for pair in modules if not (isinstance(pair, tuple) and len(pair) == 2
+        wrong = [pair for pair in modules if not (isinstance(pair, (tuple, list)) and len(pair) == 2
                                                   and isinstance(pair[1], nn.Module))]
         if wrong:
             raise TypeError(f"Timeline.attach: modules must be (name, nn.Module) pairs, e.g. "
                             f"[('layers.0', model.layers[0])]; got {wrong[:3]}")
-        if self._clock is None:
-            raise RuntimeError("Timeline.attach before the timeline started: attach inside "
+        if self not in _active:
+            raise RuntimeError("Timeline.attach outside its `with` block: attach inside "
                                "`with Timeline() as tl:` (its hooks go at the end of the block)")
         # The first unit (an embedding) takes integer ids, so PyTorch warns that its backward hook
         # fires when its output gradient arrives. That moment is the event we record; the warning
@@ -270,7 +273,9 @@ class Timeline:
         return {"rank": self.rank, "device": str(self.device), "_events": self._events}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["rank"], state["device"])
+        # a recorded timeline is only read here: no device check (one from GPU ranks loads anywhere)
+        self.__init__(state["rank"], "cpu")
+        self.device = torch.device(state["device"])
         self._events = state["_events"]
 
     # -- reading ---------------------------------------------------------------------------
@@ -300,9 +305,9 @@ class Timeline:
         """Per rank: the fraction of comm time during which compute was also running.
 
         Both sides are first merged into unions of intervals (nested compute spans and
-        concurrent collectives count once); a rank with no comm gets 0.0. Compute spans from
-        ``attach`` contain a sharded unit's blocking all-gather in backward (module hooks fire
-        before FSDP's), so on an FSDP model that counts as hidden; time FSDP units with
+        concurrent collectives count once); a rank with no comm gets 0.0. Backward spans from
+        ``attach`` contain a sharded unit's blocking all-gather (module hooks fire before FSDP's
+        there), so on an FSDP model that counts as hidden; time FSDP units with
         ``fsdp_lab.unit_timing.attach_units`` (what ``compare`` does) to measure overlap.
         """
         result = {}

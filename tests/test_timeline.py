@@ -192,14 +192,20 @@ def test_attach_refuses_what_is_not_a_module():
         Timeline.merge([1, 2])
     with pytest.raises(TypeError, match="rank number .* got '0'"):
         Timeline(rank="0")
+    with pytest.raises(ValueError, match="rank number >= 0, got -1"):
+        Timeline(rank=-1)
     with pytest.raises(RuntimeError, match=r"attach inside `with Timeline\(\) as tl:`"):
         Timeline().attach(nn.Linear(2, 2))  # before the block: its hooks would have no clock
+    with Timeline() as done:
+        pass
+    with pytest.raises(RuntimeError, match="outside its `with` block"):
+        done.attach(nn.Linear(2, 2))  # after it: the timeline is final
 
 
 def test_a_leaf_model_is_its_own_unit():
     model = nn.Linear(2, 2)
     with Timeline() as tl:
-        tl.attach(model)
+        tl.attach(model, [["Linear", model]])  # pairs as lists too (from JSON, say)
         model(torch.ones(1, 2, requires_grad=True)).sum().backward()
     assert [(e.name, e.args.get("phase")) for e in tl.compute_events()] == [("Linear forward", "forward"),
                                                                        ("Linear backward", "backward")]
@@ -219,3 +225,15 @@ def test_a_collective_not_waited_on_inside_the_block_is_left_out_with_a_warning(
         before = [e.name for e in tl.comm_events()]
         late.wait()  # after the block: the timeline stays as it was
         assert before == ["all_reduce"] and [e.name for e in tl.comm_events()] == before
+
+
+def test_a_recorded_timeline_loads_where_its_device_is_missing(monkeypatch):
+    # recorded on GPU ranks, read on a laptop: unpickling makes no device check
+    import pickle
+
+    tl = _timeline_of([Event(0, "comm", "all_gather", 4, 0.2, 0.4, "comm")])
+    tl.device = torch.device("cuda", 0)
+    blob = pickle.dumps(tl)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    loaded = pickle.loads(blob)
+    assert loaded.device == torch.device("cuda", 0) and [e.name for e in loaded.comm_events()] == ["all_gather"]
