@@ -356,6 +356,14 @@ def test_cli_prints_the_breakdown(capsys):
     assert f"{est.total / 2**20:.3f} MiB" in text
 
 
+def test_parameter_counts_read_as_a_model_card_writes_them():
+    from fsdp_lab.memory.cli import parameter_count
+
+    # decided after rounding to 3 digits: just under a million is 1 M, not "1000 K"
+    assert [parameter_count(n) for n in (6_738_415_616, 999_999, 999_499, 870_000, 999, 70_553_706_496)] == \
+        ["6.74 B", "1 M", "999 K", "870 K", "999", "70.6 B"]
+
+
 def test_cli_counts_a_small_model_and_fits_the_default_length_to_it(capsys):
     from fsdp_lab import cli
     from fsdp_lab.models.llama import Llama, LlamaConfig

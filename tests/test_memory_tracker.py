@@ -243,6 +243,10 @@ def test_bad_phase_module_is_named():
     assert [label for label, _ in mt.timeline()] == ["start", "forward 0 start", "forward 0 end", "end"]
     with pytest.raises(ValueError, match="device='meta'.* meta tensors hold no bytes"):
         MemoryTracker(small_model(), device="meta")
+    with torch.device("meta"):
+        on_meta = small_model()
+    with pytest.raises(ValueError, match="the model's parameters are on the meta device.*to_empty"):
+        MemoryTracker(on_meta)  # device left out: it came from the parameters
 
 
 @SOURCES

@@ -57,6 +57,9 @@ def test_plots_and_tables_take_what_a_tracker_gives():
     assert [t.get_text() for t in plot_memory_curve(mt, label_every=1).get_xticklabels()] == \
         [label for label, _ in result.timeline]
     assert merge_ranks(result) == merge_ranks([result])
+    # one breakdown alone (mt.peak(), or the result itself) is one bar
+    assert bar_heights(plot_breakdown(mt.peak(), unit="B")) == by_result
+    assert bar_heights(plot_breakdown(result, unit="B")) == by_result
     with pytest.raises(ValueError, match="format_rows needs at least one row"):
         format_rows([])
     with pytest.raises(TypeError, match="a memory breakdown is .* got int"):

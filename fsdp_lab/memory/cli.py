@@ -22,8 +22,10 @@ DEFAULT_SEQ_LEN = 4096
 def parameter_count(n: int) -> str:
     """A parameter count as a model card writes it: "6.74 B", "12.5 M", "3 K" (powers of 1000)."""
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.3g} {suffix}" if n < 100 * scale else f"{n / scale:.0f} {suffix}"
+        value = n / scale
+        text = f"{value:.3g}" if value < 100 else f"{value:.0f}"
+        if float(text) >= 1:  # decided after rounding: 999,999 is "1 M", not "1000 K"
+            return f"{text} {suffix}"
     return str(n)
 
 

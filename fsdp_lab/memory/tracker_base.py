@@ -39,13 +39,18 @@ class TrackerBase(StorageLedger):
         super().__init__()
         check_model_and_optimizer("MemoryTracker", model, optimizer)
         self.model, self.optimizer = model, optimizer
-        if device is None:
+        inferred = device is None
+        if inferred:
             param = next(iter(model.parameters()), None) if model is not None else None
             device = param.device if param is not None else "cpu"
         self.device = torch.device(device)
         if self.device.type == "meta":
-            raise ValueError("MemoryTracker(device='meta'): meta tensors hold no bytes; under FakeTensorMode a "
-                             "fake tensor counts as the device it stands for (leave device out, or name that one)")
+            raise ValueError(
+                ("the model's parameters are on the meta device, which holds no bytes: give them memory "
+                 "first (model.to_empty(device=...)), build the model under FakeTensorMode to measure "
+                 "without memory, or pass device=") if inferred else
+                ("MemoryTracker(device='meta'): meta tensors hold no bytes; under FakeTensorMode a fake "
+                 "tensor counts as the device it stands for (leave device out, or name that one)"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"MemoryTracker(device={str(device)!r}) but this process sees no CUDA GPU "
                              f"(torch {torch.__version__}); leave device out to track the model's own "

@@ -46,13 +46,18 @@ def _used(dicts) -> list[str]:
 
 
 def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None = None, hatch=None):
-    """Stacked bars, one per breakdown: ``breakdowns`` is {label: {category: bytes} or Breakdown}
-    (e.g. per rank or per strategy) or a list (labelled 0, 1, ...). Returns the Axes.
+    """Stacked bars, one per breakdown: ``breakdowns`` is {label: breakdown} (e.g. per rank or per
+    strategy), a list of them (labelled 0, 1, ...) or one alone; a breakdown is {category: bytes},
+    an estimate's ``Breakdown`` or a ``MemoryResult`` (its peak). Returns the Axes.
 
     Raises ValueError for an empty input, an unknown category or unit.
     """
     if not breakdowns:
         raise ValueError("plot_breakdown needs at least one breakdown")
+    if isinstance(breakdowns, MemoryResult):  # one rank's result: one bar
+        breakdowns = {f"rank {breakdowns.rank}": breakdowns}
+    elif hasattr(breakdowns, "bytes") or (isinstance(breakdowns, dict) and set(breakdowns) <= set(CATEGORIES)):
+        breakdowns = {"": breakdowns}  # one breakdown (mt.peak(), an estimate): one bar
     if not isinstance(breakdowns, dict):
         breakdowns = {str(i): b for i, b in enumerate(breakdowns)}
     scale = unit_scale(unit)
