@@ -264,7 +264,7 @@ def test_state_dicts_round_trip_bit_exact(world_results):
 
 
 def test_state_dict_loading_errors_name_the_problem(world_results):
-    _, results = world_results
+    world, results = world_results
     for result in results:
         errors = result["state_dict_errors"]
         assert errors["wrong shape"].startswith("ValueError") and "state dict has shape (3,)" in errors["wrong shape"]
@@ -273,6 +273,11 @@ def test_state_dict_loading_errors_name_the_problem(world_results):
         message = errors["another rank's slice"]
         assert message.startswith("ValueError") and "is not this rank's slice" in message
         assert "same world size and wrapping" in message
+    if world > 1:  # rank 0's slices on every rank: the others refuse, and rank 0 stops with them
+        first, *others = [result["state_dict_errors"]["rank 0's slices"] for result in results]
+        assert first.startswith("ValueError: loading the state dict failed on rank ")
+        assert all(o.startswith("ValueError") and "torch.distributed.checkpoint keeps one rank's copy" in o
+                   for o in others)
 
 
 def test_sync_module_states_broadcasts_rank0(world_results):

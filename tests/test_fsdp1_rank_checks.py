@@ -69,6 +69,9 @@ def state_dict_checks() -> dict:
         "missing name": lambda: c.load_state_dict({k: t for k, t in full.items() if k != name}),
         "another rank's slice": lambda: _load_sharded(
             c, {**sharded, name: ShardedParam(v.local, v.start + 1, v.end + 1, v.shape)}),
+        # what torch.distributed.checkpoint keeps of ShardedParams: rank 0's, on every rank (rank 0's
+        # own load succeeds; it must stop too, or it waits for the others in its next collective)
+        "rank 0's slices": lambda: _load_sharded(c, _from_rank0(sharded)),
     }
     errors = {}
     for case, load in bad_cases.items():
@@ -79,6 +82,12 @@ def state_dict_checks() -> dict:
             errors[case] = f"{type(exc).__name__}: {exc}"
     return {"full_state_dict_round_trip": full_ok, "sharded_state_dict_round_trip": sharded_ok,
             "sharded_state_dict_is_local": is_local and local == owned, "state_dict_errors": errors}
+
+
+def _from_rank0(state):
+    shared = [state if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def _load_sharded(model, state) -> None:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_lab import collectives
 from fsdp_lab.checks import StateDictMismatch, incompatible_keys
 from fsdp_lab.fsdp1.handle import FlatHandle
 from fsdp_lab.fsdp1.layout import ShardedParam
@@ -194,14 +195,35 @@ def _load(model: nn.Module, state: dict, strict: bool,
     """Copy ``state`` into the model: whole tensors into unmanaged parameters and buffers,
     ``loader(handle)(index, value, name)`` for each managed parameter."""
     managed = _managed(model)
-    expected, missing, unexpected = _match_names(model, state, strict)
-    for name, target in expected.items():
-        if name not in state:
-            continue
-        entry = managed.get(id(target))
-        if entry is None:  # ignored parameter or buffer: kept whole on every rank
-            target.copy_(state[name].to(target.device, target.dtype))
-            continue
-        handle, index = entry
-        loader(handle)(index, state[name], name)
+    refused = None
+    try:
+        expected, missing, unexpected = _match_names(model, state, strict)
+        for name, target in expected.items():
+            if name not in state:
+                continue
+            entry = managed.get(id(target))
+            if entry is None:  # ignored parameter or buffer: kept whole on every rank
+                target.copy_(state[name].to(target.device, target.dtype))
+                continue
+            handle, index = entry
+            loader(handle)(index, state[name], name)
+    except (KeyError, ValueError, RuntimeError) as error:
+        refused = error
+    _stop_together(model, refused)
     return incompatible_keys(missing, unexpected)
+
+
+def _stop_together(model: nn.Module, refused: BaseException | None) -> None:
+    """Raise ``refused`` on this rank, and a ValueError on every other rank, when any rank's load
+    failed: a load that fails on one rank (a sharded state dict holding another rank's slices)
+    would otherwise leave the others waiting for it in the next collective."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        units = units_in(model)
+        device = units[0].compute_device if units else torch.device("cpu")
+        failed = torch.tensor([dist.get_rank() + 1 if refused is not None else 0], device=device)
+        collectives.all_reduce(failed, op="max", meta={"module": "state_dict"})
+        if refused is None and failed.item():
+            raise ValueError(f"loading the state dict failed on rank {int(failed.item()) - 1} (its error says "
+                             "why): every rank stops here, so that none waits for it in a collective")
+    if refused is not None:
+        raise refused
