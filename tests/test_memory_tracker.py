@@ -140,6 +140,14 @@ def test_tag_takes_only_a_tensor():
 
 
 @SOURCES
+def test_a_tracker_that_has_not_run_has_no_results_to_give(source):
+    mt = MemoryTracker(small_model(), source=source)
+    for read in (mt.peak, mt.peak_total, mt.current, mt.max_by_category, mt.timeline, mt.result):
+        with pytest.raises(RuntimeError, match="has not measured anything yet: run the step inside `with"):
+            read()  # zeros labelled "start" before, as if a step had used no memory
+
+
+@SOURCES
 def test_entering_a_running_tracker_again_is_refused_and_leaves_it_running(source):
     model = small_model()
     before = torch.UntypedStorage.resize_

@@ -125,6 +125,7 @@ class AllocatorTracker(TrackerBase):
         ledger = allocation_log.new_ledger(self._device_type)
         self._reset()
         self._ledger = ledger
+        self._ran = True
         # autograd's saved-tensor hooks call the ledger directly: no Python per saved tensor
         self._pack, self._unpack = ledger.pack, ledger.unpack
         self._active = True

@@ -158,6 +158,7 @@ class MemoryTracker(TrackerBase, TorchDispatchMode, metaclass=abc.ABCMeta):
         self._check_not_running()
         self._reset()
         self._active = True
+        self._ran = True
         # fake tensors are the measurement when the caller runs under FakeTensorMode; otherwise
         # they are some library's internal tracing and hold no memory
         self._count_fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())

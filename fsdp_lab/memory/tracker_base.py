@@ -66,6 +66,7 @@ class TrackerBase(StorageLedger):
             raise ValueError(f"phase_modules {missing} are not submodules of the model; "
                              f"use names from model.named_modules()")
         self._phase_modules = [(n, modules[n]) for n in phase_modules]
+        self._ran = False  # set by __enter__: results before it would be zeros that measured nothing
         self._reset()
 
     # ---- bookkeeping -------------------------------------------------------------------
@@ -83,6 +84,27 @@ class TrackerBase(StorageLedger):
     # called with the innermost tag_scope category whenever one opens or closes (None: the
     # tracker reads ``tags.current_scope()`` itself when it needs it)
     _on_scope = None
+
+    def _check_ran(self) -> None:
+        if not self._ran:
+            raise RuntimeError("this MemoryTracker has not measured anything yet: run the step inside "
+                               "`with MemoryTracker(model, optimizer) as mt:`, then read mt.peak(), mt.result() ...")
+
+    def peak(self) -> dict[str, int]:
+        self._check_ran()
+        return super().peak()
+
+    def peak_total(self) -> int:
+        self._check_ran()
+        return super().peak_total()
+
+    def current(self) -> dict[str, int]:
+        self._check_ran()
+        return super().current()
+
+    def max_by_category(self) -> dict[str, int]:
+        self._check_ran()
+        return super().max_by_category()
 
     def _check_not_running(self) -> None:
         """Raise RuntimeError when this tracker is inside its ``with`` block already (entering
@@ -236,7 +258,9 @@ class TrackerBase(StorageLedger):
 
     def timeline(self) -> list[tuple[str, dict[str, int]]]:
         """[(label, {category: bytes})] at each phase boundary ("forward layers.0 start",
-        "backward layers.0 end", "optimizer step end" ...), in order."""
+        "backward layers.0 end", "optimizer step end" ...), in order. This and the other results
+        raise RuntimeError before the tracker has run."""
+        self._check_ran()
         return [(label, dict(snap)) for label, snap in self._timeline]
 
     def result(self) -> MemoryResult:
