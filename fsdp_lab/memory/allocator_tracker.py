@@ -193,29 +193,18 @@ class AllocatorTracker(TrackerBase):
         """The category the ledger gives the live allocation at ``address`` now (None: none there)."""
         return self._ledger.category_at(address)
 
-    def peak(self) -> dict[str, int]:
+    def _before_results(self) -> None:
+        super()._before_results()
         self._copy_results()
-        return super().peak()
 
     def peak_total(self) -> int:
         if self._ledger is not None and not self._final:  # (asked on CUDA as the tracker exits)
             return self._ledger.peak_total()
         return super().peak_total()
 
-    def current(self) -> dict[str, int]:
-        self._copy_results()
-        return super().current()
-
-    def max_by_category(self) -> dict[str, int]:
-        self._copy_results()
-        return super().max_by_category()
-
     def live_bytes(self) -> int:
         return self._ledger.live_bytes() if self._ledger is not None else 0
 
-    def timeline(self) -> list[tuple[str, dict[str, int]]]:
-        self._copy_results()
-        return super().timeline()
 
 
 def _tensors_in(obj, depth: int = 0):

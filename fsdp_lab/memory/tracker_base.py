@@ -85,25 +85,28 @@ class TrackerBase(StorageLedger):
     # tracker reads ``tags.current_scope()`` itself when it needs it)
     _on_scope = None
 
-    def _check_ran(self) -> None:
+    def _before_results(self) -> None:
+        """Run before every result is read. Raises RuntimeError before the tracker has run (its
+        zeros would read as a step that used no memory); a source that books elsewhere brings
+        its figures in here too."""
         if not self._ran:
             raise RuntimeError("this MemoryTracker has not measured anything yet: run the step inside "
                                "`with MemoryTracker(model, optimizer) as mt:`, then read mt.peak(), mt.result() ...")
 
     def peak(self) -> dict[str, int]:
-        self._check_ran()
+        self._before_results()
         return super().peak()
 
     def peak_total(self) -> int:
-        self._check_ran()
+        self._before_results()
         return super().peak_total()
 
     def current(self) -> dict[str, int]:
-        self._check_ran()
+        self._before_results()
         return super().current()
 
     def max_by_category(self) -> dict[str, int]:
-        self._check_ran()
+        self._before_results()
         return super().max_by_category()
 
     def _check_not_running(self) -> None:
@@ -260,7 +263,7 @@ class TrackerBase(StorageLedger):
         """[(label, {category: bytes})] at each phase boundary ("forward layers.0 start",
         "backward layers.0 end", "optimizer step end" ...), in order. This and the other results
         raise RuntimeError before the tracker has run."""
-        self._check_ran()
+        self._before_results()
         return [(label, dict(snap)) for label, snap in self._timeline]
 
     def result(self) -> MemoryResult:
