@@ -119,7 +119,7 @@ def _broadcast_source(key: str, target: torch.Tensor, full_state_dict) -> torch.
         # A whole subclass tensor of the right inner sizes on every rank, then rank 0's bytes.
         source = _gather_self_sharding(target)
         if rank == 0:
-            source.copy_(_entry(full_state_dict, key).to(source.device))
+            source.copy_(full_state_dict[key].to(source.device))
         names, _ = source.__tensor_flatten__()
         for name in names:
             inner = getattr(source, name)
@@ -127,21 +127,12 @@ def _broadcast_source(key: str, target: torch.Tensor, full_state_dict) -> torch.
                 collectives.broadcast(inner, 0, meta={"module": "state_dict"})
         return source
     if rank == 0:
-        source = _entry(full_state_dict, key).to(device=_local_device(target), dtype=target.dtype)
+        source = full_state_dict[key].to(device=_local_device(target), dtype=target.dtype)
     else:
         source = torch.empty(target.shape, dtype=target.dtype, device=_local_device(target))
     source = source.contiguous()
     collectives.broadcast(source, 0, meta={"module": "state_dict"})
     return source
-
-
-def _entry(full_state_dict, key: str) -> torch.Tensor:
-    if full_state_dict is None:
-        raise ValueError("load_full_state_dict got full_state_dict=None; pass the state dict (on rank 0 "
-                         "at least, with broadcast_from_rank0=True)")
-    if key not in full_state_dict:
-        raise KeyError(f"{key!r} is missing from the full state dict")
-    return full_state_dict[key]
 
 
 @torch.no_grad()
@@ -176,11 +167,8 @@ def load_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tens
         if broadcast_from_rank0:
             source = _broadcast_source(key, target, full_state_dict)
         else:
-            source = _entry(full_state_dict, key)
-        if tuple(source.shape) != tuple(target.shape):
-            raise ValueError(f"{key}: the full state dict has shape {tuple(source.shape)}, the model "
-                             f"{tuple(target.shape)}")
-        try:
+            source = full_state_dict[key]
+        try:  # (shapes were compared before anything was copied)
             load_full_tensor(target, source)
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from error
@@ -195,7 +183,7 @@ def _load_extra_state(model: nn.Module, key: str, full_state_dict, broadcast_fro
         torch.distributed.broadcast_object_list(value, src=0)
         value = value[0]
     else:
-        value = _entry(full_state_dict, key)
+        value = full_state_dict[key]
     owner = key.rpartition(".")[0]
     (model.get_submodule(owner) if owner else model).set_extra_state(value)
 
