@@ -62,9 +62,8 @@ def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None 
         breakdowns = {str(i): b for i, b in enumerate(breakdowns)}
     scale = unit_scale(unit)
     values = {label: _values(b) for label, b in breakdowns.items()}
-    own_figure = ax is None
-    if own_figure:
-        _, ax = plt.subplots(figsize=(max(4, 1.2 * len(values) + 3), 4))
+    if ax is None:
+        ax = own_axes((max(4, 1.2 * len(values) + 3), 4))
     labels = list(values)
     bottoms = [0.0] * len(labels)
     for cat in _used(values.values()):
@@ -74,7 +73,7 @@ def plot_breakdown(breakdowns, ax=None, *, unit: str = "MiB", title: str | None 
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title or "memory by category")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fit_figure(ax, own_figure)
+    return fitted(ax)
 
 
 def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None = None, label_every: int = 0,
@@ -100,9 +99,8 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
     if not timeline:
         raise ValueError("plot_memory_curve needs a non-empty timeline [(label, {category: bytes})]")
     scale = unit_scale(unit)
-    own_figure = ax is None
-    if own_figure:
-        _, ax = plt.subplots(figsize=(9, 4))
+    if ax is None:
+        ax = own_axes((9, 4))
     snaps = [_values(s) for _, s in timeline]
     # with step="post" a point holds until the next x: repeat the last one so it has a width too
     xs = list(range(len(snaps) + 1))
@@ -130,7 +128,7 @@ def plot_memory_curve(timeline, ax=None, *, unit: str = "MiB", title: str | None
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title or "memory over one step")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fit_figure(ax, own_figure)
+    return fitted(ax)
 
 
 def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB", title: str | None = None):
@@ -146,9 +144,8 @@ def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB"
         labels = list(estimated)
     else:
         labels, estimated, measured = [""], {"": estimated}, {"": measured}
-    own_figure = ax is None
-    if own_figure:
-        _, ax = plt.subplots(figsize=(max(5, 2.0 * len(labels) + 3), 4))
+    if ax is None:
+        ax = own_axes((max(5, 2.0 * len(labels) + 3), 4))
     est = {l: _values(estimated[l]) for l in labels}
     mea = {l: _values(measured[l]) for l in labels}
     cats = _used(list(est.values()) + list(mea.values()))
@@ -165,13 +162,21 @@ def plot_estimate_vs_measured(estimated, measured, ax=None, *, unit: str = "MiB"
     ax.set_ylabel(f"memory ({unit})")
     ax.set_title(title or "estimated vs measured")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fit_figure(ax, own_figure)
+    return fitted(ax)
 
 
-def fit_figure(ax, own_figure: bool):
-    """Fit a figure the plot made itself around everything drawn (a legend right of the axes,
-    rotated tick labels), so a plain ``savefig`` keeps them whole as Jupyter's inline display does;
-    a figure the caller passed an Axes of is left to the caller. Returns ``ax``."""
-    if own_figure:
+def own_axes(figsize: tuple[float, float]):
+    """A new figure's Axes, marked as the plot's own: ``fitted`` fits such a figure around what
+    is drawn on it."""
+    _, ax = plt.subplots(figsize=figsize)
+    ax.figure.fsdp_lab_fits = True
+    return ax
+
+
+def fitted(ax):
+    """Fit the figure a plot made itself (``own_axes``) around everything drawn (a legend right
+    of the axes, rotated tick labels), so a plain ``savefig`` keeps them whole as Jupyter's inline
+    display does; a figure the caller passed an Axes of is left to the caller. Returns ``ax``."""
+    if getattr(ax.figure, "fsdp_lab_fits", False):
         ax.figure.tight_layout()
     return ax

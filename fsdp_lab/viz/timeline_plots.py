@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from fsdp_lab.viz.memory_plots import fit_figure
+from fsdp_lab.viz.memory_plots import fitted, own_axes
 
 # One colour per kind of work, so a reader sees at a glance what overlaps what.
 _COLORS = {
@@ -49,9 +49,8 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
     events = timeline.events
     if not events:
         raise ValueError("the timeline has no events: record inside `with Timeline():` first")
-    own_figure = ax is None
-    if own_figure:
-        _, ax = plt.subplots(figsize=(10, 1.0 + 0.45 * len({(e.rank, e.lane) for e in events})))
+    if ax is None:
+        ax = own_axes((10, 1.0 + 0.45 * len({(e.rank, e.lane) for e in events})))
     t0 = min(e.t_start for e in events)
     rows = sorted({(e.rank, e.lane) for e in events}, key=lambda r: (r[0], r[1] != "compute", r[1]))
     index = {row: i for i, row in enumerate(rows)}
@@ -74,7 +73,7 @@ def plot_timeline(timeline, ax=None, *, title: str | None = None, label_bytes: b
         ax.legend(handles, names, loc="upper right", fontsize=7, ncol=min(4, len(names)))
     if title:
         ax.set_title(title)
-    return fit_figure(ax, own_figure)
+    return fitted(ax)
 
 
 _PHASES = ("forward", "backward", "optimizer", "other_compute", "exposed_comm", "idle")
@@ -91,9 +90,8 @@ def plot_phase_breakdown(runs: dict, ax=None, *, rank: int | None = None, title:
     """
     if not runs:
         raise ValueError("plot_phase_breakdown needs at least one run")
-    own_figure = ax is None
-    if own_figure:
-        _, ax = plt.subplots(figsize=(9, 0.9 + 0.6 * len(runs)))
+    if ax is None:
+        ax = own_axes((9, 0.9 + 0.6 * len(runs)))
     labels = list(runs)
     for y, label in enumerate(labels):
         summary = runs[label]
@@ -112,4 +110,4 @@ def plot_phase_breakdown(runs: dict, ax=None, *, rank: int | None = None, title:
     ax.legend(loc="lower right", fontsize=7, ncol=3)
     if title:
         ax.set_title(title)
-    return fit_figure(ax, own_figure)
+    return fitted(ax)
