@@ -17,7 +17,8 @@
 * ``world_sizes(strategy)`` and ``explorer_controls()``: the lab's widget offers only the world
   sizes a strategy runs on (HYBRID_SHARD needs a world fsdp_lab can split in groups).
 
-The lab's step figure is drawn here too (``draw_step``, memory colours ``COLORS_BESIDE_TIMELINE``).
+The lab's step figure is drawn here too (``draw_step``, memory colours ``COLORS_BESIDE_TIMELINE``),
+and section 5's strategy table and peak bars (``print_strategy_table``, ``draw_strategy_peaks``).
 """
 
 from __future__ import annotations
@@ -345,5 +346,52 @@ def draw_step(runs, title: str):
     c.set_ylabel("MiB"); c.set_xlabel("moment in the step (forward, backward, optimizer)")
     c.set_title("rank 0 memory by category at the same moments")
     c.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+# section 5's table and figure: one row or bar per (strategy, wrapping, world size)
+STRATEGY_CATEGORIES = {"sharded_params": "sh.par", "unsharded_params": "unsh.par", "sharded_grads": "sh.grad",
+                       "unsharded_grads": "unsh.grad", "optimizer_state": "optim", "activations": "activ",
+                       "temporaries": "temp", "comm_buffers": "comm", "other": "other"}
+
+
+def print_strategy_table(table: dict) -> None:
+    """Print one row per setting of ``table`` ({setting: {"loss", "comms": {collective: (calls,
+    bytes)}, "sent": bytes, "peak": {category: bytes}}}): the loss, the all-gathers, reduce-scatters
+    and all-reduces of one step, the MiB sent and rank 0's peak (MiB) by category at its moment.
+    Raises KeyError for a row without those fields."""
+    cats = STRATEGY_CATEGORIES
+    print(f"{'setting':36} {'loss':>7} {'AG':>3} {'RS':>3} {'AR':>3} {'sent':>7} {'peak':>7}   "
+          "rank 0 at its peak, MiB: " + " ".join(f"{short:>8}" for short in cats.values()))
+    for name, r in table.items():
+        c, p = r["comms"], r["peak"]
+        print(f"{name:36} {r['loss']:7.4f} {c['all_gather'][0]:3d} {c['reduce_scatter'][0]:3d} "
+              f"{c['all_reduce'][0]:3d} {r['sent'] / 2**20:7.3f} {sum(p.values()) / 2**20:7.2f}   "
+              + " ".join(f"{p.get(k, 0) / 2**20:8.3f}" for k in cats))
+
+
+def draw_strategy_peaks(table: dict):
+    """Horizontal stacked bars of rank 0's peak (MiB) by category at the moment of the peak, one
+    per setting of ``table`` (as ``print_strategy_table`` takes), its total written beside it.
+    Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.viz.memory_plots import COLORS_BESIDE_TIMELINE
+
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    peaks = {n: r["peak"] for n, r in table.items()}
+    left = [0.0] * len(peaks)
+    for cat in STRATEGY_CATEGORIES:
+        vals = [p.get(cat, 0) / 2**20 for p in peaks.values()]
+        ax.barh(list(peaks), vals, left=left, label=cat, color=COLORS_BESIDE_TIMELINE[cat])
+        left = [l + v for l, v in zip(left, vals)]
+    for y, total in enumerate(left):
+        ax.text(total + 0.2, y, f"{total:.2f}", va="center", fontsize=8)
+    ax.set_xlim(0, max(left) * 1.12)
+    ax.invert_yaxis()
+    ax.set_xlabel("rank 0 peak, MiB (categories at the moment of the peak)")
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    ax.set_title("peak memory by category at the moment of the peak")
     fig.tight_layout()
     return fig

@@ -38,7 +38,6 @@ CELLS = [
     from fsdp_lab.models.llama import Llama, TransformerBlock
     from fsdp_lab.timeline import Timeline
     from fsdp_lab.viz import plot_timeline
-    from fsdp_lab.viz.memory_plots import COLORS_BESIDE_TIMELINE as MEMORY_COLORS
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab_files, lab04
     from fsdp_lab.workshop.measure import wire_bytes
@@ -274,36 +273,14 @@ CELLS = [
     cache = {(k, 2): [r[k] for r in two_ranks] for k in two_ranks[0]}
     cache.update({(k, 4): [r[k] for r in four_ranks] for k in four_ranks[0]})
     table = {f"{k} ({n} ranks)": runs_[0] for (k, n), runs_ in cache.items()}
-    cats = ["sharded_params", "unsharded_params", "sharded_grads", "unsharded_grads", "optimizer_state",
-            "activations", "temporaries", "comm_buffers", "other"]
-    short = {"sharded_params": "sh.par", "unsharded_params": "unsh.par", "sharded_grads": "sh.grad",
-             "unsharded_grads": "unsh.grad", "optimizer_state": "optim", "activations": "activ",
-             "temporaries": "temp", "comm_buffers": "comm", "other": "other"}
-    print(f"{'setting':36} {'loss':>7} {'AG':>3} {'RS':>3} {'AR':>3} {'sent':>7} {'peak':>7}   "
-          "rank 0 at its peak, MiB: " + " ".join(f"{short[c]:>8}" for c in cats))
-    for name, r in table.items():
-        c, p = r["comms"], r["peak"]
-        print(f"{name:36} {r['loss']:7.4f} {c['all_gather'][0]:3d} {c['reduce_scatter'][0]:3d} "
-              f"{c['all_reduce'][0]:3d} {r['sent'] / 2**20:7.3f} {sum(p.values()) / 2**20:7.2f}   "
-              + " ".join(f"{p.get(k, 0) / 2**20:8.3f}" for k in cats))
+    lab04.print_strategy_table(table)   # loss, collectives per step, MiB sent, peak and its categories
     """),
     code("""
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    peaks = {n: r["peak"] for n, r in table.items()}
-    left = [0.0] * len(peaks)
-    for cat in cats:
-        vals = [p.get(cat, 0) / 2**20 for p in peaks.values()]
-        ax.barh(list(peaks), vals, left=left, label=cat, color=MEMORY_COLORS[cat])
-        left = [l + v for l, v in zip(left, vals)]
-    for y, l in enumerate(left):
-        ax.text(l + 0.2, y, f"{l:.2f}", va="center", fontsize=8)
-    ax.set_xlim(0, max(left) * 1.12)
-    ax.invert_yaxis(); ax.set_xlabel("rank 0 peak, MiB (categories at the moment of the peak)")
-    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.18))
-    ax.set_title("peak memory by category at the moment of the peak")
-    fig.tight_layout(); files.savefig(fig, "strategies_peak.png", dpi=90, bbox_inches="tight")
+    fig = lab04.draw_strategy_peaks(table)
+    files.savefig(fig, "strategies_peak.png", dpi=90, bbox_inches="tight")
     """, tags=["nbval-ignore-output"]),
     code("""
+    peaks = {n: r["peak"] for n, r in table.items()}
     total_peak = {n: sum(p.values()) for n, p in peaks.items()}
     pb, pl, wm = (total_peak[f"FULL_SHARD / {w} (2 ranks)"] for w in ("per block", "per linear", "whole model"))
     sgo, ns = total_peak["SHARD_GRAD_OP / per block (2 ranks)"], total_peak["NO_SHARD / per block (2 ranks)"]
