@@ -53,7 +53,9 @@ def _save_on_two_ranks(folder):
         out[(case, "before any step")] = FSDP.optim_state_dict(model, optimizer)
         for step in range(2):
             take_step(model, optimizer, step, rank, world)
-        whole = FSDP.optim_state_dict(model, optimizer)
+        # PyTorch's keywords: the optimizer's own state passed in, the model's group named
+        whole = FSDP.optim_state_dict(model, optimizer, optim_state_dict=optimizer.state_dict(),
+                                      group=dist.group.WORLD)
         out[case] = whole
         model_state = model.state_dict()
         if rank == 0:
@@ -63,7 +65,7 @@ def _save_on_two_ranks(folder):
                 dcp.save({"model": dcp_state_dict(model), "optim": FSDP.optim_state_dict(model, optimizer)},
                          checkpoint_id=f"{folder}/{case}.dcp")
         fresh = build_optimizer(model, reverse=True)  # the same ranks load what they saved, by name
-        fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, whole))
+        FSDP.optim_state_dict_to_load(model, fresh, whole, load_directly=True)
         take_step(model, fresh, 2, rank, world)
         out[(case, "resumed on 2")] = _full_params(model)
     out["errors"] = _errors(f"{folder}/FULL_SHARD.dcp")
@@ -142,13 +144,22 @@ def _errors(checkpoint: str) -> dict:
     def ranks_differ_sharded():  # an error, not a hang in the ShardedTensors' metadata exchange
         ranks_differ(sharded=True)
 
+    def named_state_passed_in():  # optim_state_dict's own output where optimizer.state_dict() belongs
+        FSDP.optim_state_dict(model, optimizer, optim_state_dict=whole)
+
+    def another_group():
+        FSDP.optim_state_dict(model, optimizer, group=dist.new_group([0, 1]))
+
+    def named_optimizer():
+        FSDP.optim_state_dict_to_load(model, optimizer, whole, is_named_optimizer=True)
+
     def wrong_key():
         from fsdp_lab.fsdp1 import load_dcp_optim_state_dict
         load_dcp_optim_state_dict(model, optimizer, checkpoint, key="optimizer")
 
     out = {}
     for fn in (foreign_parameter, other_groups, other_model, sharded_copies, model_of_copies, ranks_differ,
-               ranks_differ_sharded, wrong_key):
+               ranks_differ_sharded, named_state_passed_in, another_group, named_optimizer, wrong_key):
         try:
             fn()
             out[fn.__name__] = None
@@ -216,6 +227,9 @@ def test_resuming_on_another_world_size_matches_one_process(resumed, one_process
     ("model_of_copies", "NotImplementedError", "NO_SHARD keeps copies"),
     ("ranks_differ", "RuntimeError", "the ranks' optimizer states differ"),
     ("ranks_differ_sharded", "RuntimeError", "the ranks' optimizer states differ"),
+    ("named_state_passed_in", "ValueError", "must be the optimizer's own state_dict()"),
+    ("another_group", "ValueError", "group= names another process group than the model's"),
+    ("named_optimizer", "NotImplementedError", "is_named_optimizer=True"),
     ("wrong_key", "ValueError", "no optimizer state under 'optimizer'"),
 ])
 def test_bad_input_names_the_problem(saved, case, error, words):

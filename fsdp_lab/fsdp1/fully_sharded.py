@@ -320,18 +320,32 @@ class FullyShardedDataParallel(ShardedUnit):
         return [u for u in units if id(u) not in inner]
 
     @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict:
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
+                         group=None) -> dict:
         """``optim``'s state keyed by parameter name, as PyTorch's: whole tensors (on CPU, every
         rank), or inside ``state_dict_type(model, SHARDED_STATE_DICT)`` 1-D ShardedTensors for
-        ``torch.distributed.checkpoint``. Every rank calls it; see ``optim_state.optim_state_dict``
-        for what it raises."""
-        return optim_state.optim_state_dict(model, optim)
+        ``torch.distributed.checkpoint``. ``optim_state_dict``: ``optim.state_dict()``'s form to
+        convert instead of ``optim``'s own; ``group``: None or the model's own process group.
+        Every rank calls it; see ``optim_state.optim_state_dict`` for what it raises."""
+        optim_state.check_group(model, group)
+        return optim_state.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict) -> dict:
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
+                                 is_named_optimizer: bool = False, load_directly: bool = False,
+                                 group=None) -> dict:
         """This rank's ``optim.load_state_dict`` argument from ``optim_state_dict``'s output (saved
-        at any world size). Raises ValueError when it does not fit the optimizer or model."""
-        return optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
+        at any world size); ``load_directly`` also loads it into ``optim``. Raises ValueError when
+        it does not fit the optimizer or model or ``group`` is not the model's, and
+        NotImplementedError for ``is_named_optimizer`` (torchrec's keyed optimizers)."""
+        optim_state.check_group(model, group)
+        if is_named_optimizer:
+            raise NotImplementedError("is_named_optimizer=True (torchrec's KeyedOptimizer or NamedOptimizer) is not "
+                                      "supported: build a torch.optim optimizer over model.parameters()")
+        loadable = optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(loadable)
+        return loadable
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """Full (default) or sharded state dict with original names; see ``state_dict.py``."""

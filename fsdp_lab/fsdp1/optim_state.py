@@ -37,7 +37,7 @@ from fsdp_lab.fsdp1.runtime import units_in
 from fsdp_lab.fsdp1.state_dict import _managed
 from fsdp_lab.states import TrainingState
 
-__all__ = ["optim_state_dict", "optim_state_dict_to_load"]
+__all__ = ["check_group", "optim_state_dict", "optim_state_dict_to_load"]
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -84,9 +84,35 @@ def _named_groups(saved_groups: list[dict], names: list[str]) -> list[dict]:
     return groups
 
 
-def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def check_group(model: nn.Module, group) -> None:
+    """ValueError unless ``group`` (PyTorch's ``group=`` argument) is None, the world, or a group
+    of the model's root unit: the optimizer state moves over the model's own groups."""
+    units = units_in(model)
+    own = [g for g in (units[0].shard_group, units[0].replicate_group) if g is not None] if units else []
+    if group is None or group is dist.group.WORLD or any(group is g for g in own):
+        return
+    raise ValueError("group= names another process group than the model's: the optimizer state is gathered "
+                     "over the groups the model was wrapped with; pass group=None")
+
+
+def _check_optimizer_form(saved_state, optimizer: torch.optim.Optimizer) -> None:
+    """ValueError unless ``saved_state`` has ``optimizer.state_dict()``'s form for this optimizer."""
+    count = len(_params_of(optimizer))
+    if not (isinstance(saved_state, dict) and isinstance(saved_state.get("state"), dict)
+            and isinstance(saved_state.get("param_groups"), list)
+            and all(isinstance(i, int) and 0 <= i < count for i in saved_state["state"])
+            and [len(g.get("params", ())) for g in saved_state["param_groups"]]
+            == [len(g["params"]) for g in optimizer.param_groups]):
+        raise ValueError("optim_state_dict= must be the optimizer's own state_dict() (integer ids, the same "
+                         "parameter groups); a dict keyed by parameter names is what optim_state_dict returns: "
+                         "pass that to optim_state_dict_to_load")
+
+
+def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, saved_state: dict | None = None) -> dict:
     """``optimizer``'s state by parameter name: whole tensors, or 1-D ShardedTensors inside
-    ``state_dict_type(model, SHARDED_STATE_DICT)`` (see the module docstring).
+    ``state_dict_type(model, SHARDED_STATE_DICT)`` (see the module docstring). ``saved_state``:
+    a state in ``optimizer.state_dict()``'s form to convert instead of the optimizer's own
+    (ValueError when it has another form).
 
     Every rank must call it between steps; it changes nothing (an optimizer without state gives
     none: to load a DCP checkpoint into one, use ``load_dcp_optim_state_dict``). Whole tensors
@@ -110,7 +136,10 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     state: dict[str, dict] = {}
     parts: dict[tuple, dict[int, torch.Tensor]] = {}  # (handle number, key, dtype) -> {index: this rank's part}
     owners: dict[tuple[int, int], str] = {}           # (handle number, index) -> parameter name
-    saved_state = optimizer.state_dict()
+    if saved_state is None:
+        saved_state = optimizer.state_dict()
+    else:
+        _check_optimizer_form(saved_state, optimizer)
     for i, saved in saved_state["state"].items():
         param, name, entry = params[i], names[i], managed.get(id(params[i]))
         state[name] = {}
