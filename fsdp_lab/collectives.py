@@ -309,9 +309,10 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
                            before_issue: Callable[[], None] | None = None):
     """Gather every rank's ``input`` into ``output`` (rank order along dim 0).
 
-    ``output.numel()`` must be ``input.numel() * group_size``; raises ValueError otherwise.
-    ``before_issue`` (see :func:`reduce_scatter_tensor`) runs once this call's own buffers exist.
-    Returns a ``CollectiveHandle`` when ``async_op`` else None.
+    ``output.numel()`` must be ``input.numel() * group_size``, in any shape (flat, stacked or
+    concatenated along dim 0), as NCCL takes it; raises ValueError otherwise, or when
+    ``output`` is not contiguous. ``before_issue`` (see :func:`reduce_scatter_tensor`) runs once
+    this call's own buffers exist. Returns a ``CollectiveHandle`` when ``async_op`` else None.
     """
     info = lookup(group)
     n = info.size
@@ -320,6 +321,12 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group=N
             f"all_gather_into_tensor: output has {output.numel()} elements, expected "
             f"input.numel() * group size = {input.numel()} * {n}"
         )
+    if not output.is_contiguous():
+        raise ValueError("all_gather_into_tensor: output is not contiguous; gather into a contiguous tensor "
+                         "(torch.empty(...)) and copy from it")
+    if backend(info, input) == "gloo":  # gloo wants the inputs concatenated along dim 0; NCCL any shape
+        input = input.reshape(1) if input.dim() == 0 else input
+        output = output.view(n * input.shape[0], *input.shape[1:])
     staged = _staging(input, info)
     if staged:
         host_out, host_in = output.cpu(), input.cpu()

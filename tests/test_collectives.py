@@ -53,6 +53,18 @@ def _collective_checks():
     except ValueError as e:
         out["size_error"] = str(e)
     seen.append(collectives.last_entered())
+    block = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * rank
+    for shape in ((6 * n,), (n, 2, 3), (2 * n, 3)):  # flat, stacked, concatenated: NCCL takes each
+        into = torch.empty(shape)
+        collectives.all_gather_into_tensor(into, block)
+        out[f"all_gather_into {shape}"] = into
+    scalars = torch.empty(n)
+    collectives.all_gather_into_tensor(scalars, torch.tensor(float(rank)))
+    out["all_gather_0d"] = scalars
+    try:
+        collectives.all_gather_into_tensor(torch.empty(3, 2 * n).t(), block)
+    except ValueError as e:
+        out["contiguous_error"] = str(e)
     for op in ("sum", "avg"):  # in place on gloo: the input is scratch and no receive buffer is made
         shard, scratch = torch.empty(K), full.clone()
         collectives.reduce_scatter_tensor(shard, scratch, op=op, async_op=True, input_is_scratch=True).wait()
@@ -168,6 +180,17 @@ def test_all_gather_concatenates_in_rank_order(results):
     expected = torch.cat([torch.arange(K, dtype=torch.float32) + 100 * r for r in range(n)])
     for out in per_rank:
         assert torch.equal(out["all_gather"], expected)
+
+
+def test_all_gather_takes_any_output_shape_of_the_right_size(results):
+    n, per_rank = results
+    expected = torch.cat([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * r for r in range(n)])
+    for out in per_rank:
+        for shape in ((6 * n,), (n, 2, 3), (2 * n, 3)):
+            gathered = out[f"all_gather_into {shape}"]
+            assert gathered.shape == shape and torch.equal(gathered.reshape(2 * n, 3), expected)
+        assert torch.equal(out["all_gather_0d"], torch.arange(n, dtype=torch.float32))
+        assert "output is not contiguous" in out["contiguous_error"]
 
 
 def test_reduce_scatter_ops(results):

@@ -167,13 +167,33 @@ def output_one_shard_long(module, args):
 
 
 def stacked_output(module, args):
-    """All-gathers into (world, rows, ...), the form NCCL also takes: gloo refuses it."""
+    """Right: all-gathers into (world, rows, ...), the form NCCL also takes, then reshapes it."""
     import torch.distributed as dist
     world = dist.get_world_size()
     for name, shard in module.shards.items():
         gathered = torch.empty(world, *shard.shape)
         collectives.all_gather_into_tensor(gathered, shard)
         setattr(module, name, gathered.reshape(-1, *shard.shape[1:])[:module.rows[name]])
+
+
+def flat_output(module, args):
+    """Right: all-gathers into a flat buffer, as lab 03's ZeRO stages do, then views it."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        flat = torch.empty(world * shard.numel())
+        collectives.all_gather_into_tensor(flat, shard.contiguous())
+        setattr(module, name, flat.view(world * shard.shape[0], *shard.shape[1:]).narrow(0, 0, module.rows[name]))
+
+
+def stacked_rows_kept(module, args):
+    """Stacks the shards, (world, rows, ...), and keeps its first entries as if they were rows."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world, *shard.shape)
+        collectives.all_gather_into_tensor(gathered, shard)
+        setattr(module, name, gathered[:module.rows[name]])
 
 
 def half_the_rows(module, args):
@@ -201,7 +221,7 @@ def lab05_launch():
     solution = LAB05["pre_forward"][1]
     cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,), (all_reduced_pieces,),
              (gathered_around_collectives,), (one_gather_for_both,), (output_one_shard_long,),
-             (half_the_rows,), (last_rows,), (stacked_output,)]
+             (half_the_rows,), (last_rows,), (stacked_output,), (flat_output,), (stacked_rows_kept,)]
     return SharedLaunch(lab05._hook_case, cases, world_size=lab05.HOOK_WORLD)
 
 
@@ -222,7 +242,10 @@ def test_pre_forward_verdicts(lab05_launch, monkeypatch):
     assert raised.mistake == "hook_raised" and "before setting module.weight" in raised.message
     assert lab05.check_pre_forward(half_the_rows).mistake == "wrong_rows"
     assert lab05.check_pre_forward(last_rows).mistake == "dropped_first_rows"
-    assert lab05.check_pre_forward(stacked_output).mistake == "stacked_output"
+    assert lab05.check_pre_forward(stacked_output).solved
+    assert lab05.check_pre_forward(flat_output).solved
+    stacked = lab05.check_pre_forward(stacked_rows_kept)
+    assert stacked.mistake == "stacked_output" and "shape (4, 2, 5)" in stacked.message
 
 
 def test_reference_shard_is_chunk_plus_zero_rows():

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -176,11 +175,8 @@ def _hook_case(pre_forward):
             for name in ("weight", "bias")}
     return {"out": out, "error": error, "hook_error": hook_error[0] if hook_error else "",
             "reference": reference, "seen": seen, "collectives": issued,
+            "shards": {name: tuple(shard.shape) for name, shard in layer.shards.items()},
             "full": {n: p.detach().clone() for n, p in full.named_parameters()}}
-
-
-# gloo's error for an all-gather output of shape (world, *shard.shape): "expected (2, 5), got (1, 2, 5)"
-_STACKED = re.compile(r"expected \(([^)]*)\), got \(1, \1\)")
 
 
 @checker("pre_forward", hint="for each name, shard in module.shards.items(): gathered = "
@@ -199,11 +195,6 @@ def check_pre_forward(pre_forward):
     raised = next((o["hook_error"] for o in out if o["hook_error"]), "")
     if "ellipsis" in raised.lower():
         return placeholder_left("pre_forward")
-    if _STACKED.search(raised):
-        return mistake("stacked_output", "the all-gather's output was shaped (world, rows, ...), the "
-                                         "stacked form: NCCL accepts it, gloo does not, and its first "
-                                         "rows are not the parameter's; make it the concatenation "
-                                         "(world * rows, ...), whose first module.rows[name] rows are")
     if raised:
         where = "before setting module.weight" if seen is None else "after setting module.weight"
         return mistake("hook_raised", f"{where}, the hook raised {raised}")
@@ -219,6 +210,12 @@ def check_pre_forward(pre_forward):
     for name in ("weight", "bias"):
         got, whole = first["seen"][name], first["full"][name]
         if got is not None and got.shape != whole.shape:
+            if got.dim() == whole.dim() + 1 and got.shape[1:] == first["shards"][name]:
+                return mistake("stacked_output", f"the gathered {name} has shape {tuple(got.shape)}: the "
+                                                 "all-gather's output was stacked, (world, rows, ...), so its "
+                                                 "first entries are whole shards, not rows; gather into "
+                                                 "(world * rows, ...) (or reshape the stacked output to it) "
+                                                 "and keep gathered[:module.rows[name]]")
             if got.shape[1:] == whole.shape[1:]:
                 return mistake("wrong_rows", f"the gathered {name} has {got.shape[0]} rows, the parameter "
                                              f"{whole.shape[0]}: the {HOOK_WORLD} shards end to end have "
