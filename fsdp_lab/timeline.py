@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -95,8 +96,9 @@ class _Clock:
 class CommEvent:
     """An open comm event; ``close()`` ends it (at most once)."""
 
-    def __init__(self, timeline: "Timeline", start, name: str, nbytes: int, lane: str, args: dict):
+    def __init__(self, timeline: "Timeline", start, name: str, nbytes: int, lane: str, args: dict, order: int):
         self._timeline, self.name, self.bytes, self.lane, self.args = timeline, name, nbytes, lane, args
+        self.order = order  # how many comm events the timeline opened before this one
         self._lock = threading.Lock()
         self._start = start  # a clock mark taken just before the collective was issued
         self._end = None
@@ -134,7 +136,7 @@ class Timeline:
     without one), device to CUDA's current device when the default process group uses
     NCCL or CUDA is initialised, else CPU. An asynchronous collective issued inside the block
     is recorded when its handle is waited on; one still not waited on when the block ends is
-    left out, with a warning. Raises TypeError for a rank that is not an int, ValueError for a
+    left out, with a warning, and named in ``unwaited`` (collective names, in issue order). Raises TypeError for a rank that is not an int, ValueError for a
     negative one or a CUDA device where this process sees no GPU.
     """
 
@@ -154,6 +156,8 @@ class Timeline:
             raise ValueError(f"Timeline(device={str(device)!r}) but this process sees no CUDA GPU; leave "
                              "device out (it follows the process group's device) or pass device='cpu'")
         self._open: set[CommEvent] = set()  # asynchronous collectives not waited on yet
+        self.unwaited: list[str] = []  # those still open when the block ended, by name
+        self._opened = itertools.count()
         self._clock: _Clock | None = None
         self._raw: list[tuple] = []
         self._events: list[Event] = []
@@ -173,6 +177,7 @@ class Timeline:
         unfinished, self._open = self._open, set()
         for event in unfinished:
             event.abandoned = True  # the timeline does not change after its block
+        self.unwaited = [e.name for e in sorted(unfinished, key=lambda e: e.order)]
         if unfinished and exc[0] is None:
             names = ", ".join(sorted({e.name for e in unfinished}))
             warnings.warn(f"{len(unfinished)} asynchronous collective(s) ({names}) issued inside this Timeline "
@@ -192,7 +197,7 @@ class Timeline:
     def open_comm(self, start, name: str, nbytes: int, *, lane: str = "comm", **args) -> CommEvent:
         """The comm event of a collective issued since ``start = self.mark()`` (called by
         fsdp_lab.collectives)."""
-        event = CommEvent(self, start, name, nbytes, lane, args)
+        event = CommEvent(self, start, name, nbytes, lane, args, next(self._opened))
         self._open.add(event)
         return event
 
@@ -270,13 +275,14 @@ class Timeline:
     def __getstate__(self) -> dict:
         # Sent back from ranks by fsdp_lab.launch: only plain events travel.
         self.finalize()
-        return {"rank": self.rank, "device": str(self.device), "_events": self._events}
+        return {"rank": self.rank, "device": str(self.device), "_events": self._events, "unwaited": self.unwaited}
 
     def __setstate__(self, state: dict) -> None:
         # a recorded timeline is only read here: no device check (one from GPU ranks loads anywhere)
         self.__init__(state["rank"], "cpu")
         self.device = torch.device(state["device"])
         self._events = state["_events"]
+        self.unwaited = state.get("unwaited", [])
 
     # -- reading ---------------------------------------------------------------------------
     @classmethod

@@ -2,6 +2,7 @@
 
 import io
 import json
+import pickle
 
 import pytest
 import torch
@@ -216,15 +217,20 @@ def test_a_collective_not_waited_on_inside_the_block_is_left_out_with_a_warning(
     from fsdp_lab import collectives
 
     with fsdp_lab.simulated_world(2):
-        with pytest.warns(UserWarning, match=r"1 asynchronous collective\(s\) \(all_reduce\) issued inside this "
-                                             "Timeline were not waited on"):
+        with pytest.warns(UserWarning, match=r"2 asynchronous collective\(s\) \(all_gather, all_reduce\) issued "
+                                             "inside this Timeline were not waited on"):
             with Timeline() as tl:
                 waited = collectives.all_reduce(torch.ones(4), async_op=True)
                 waited.wait()
                 late = collectives.all_reduce(torch.ones(4), async_op=True)
+                never = collectives.all_gather_into_tensor(torch.empty(8), torch.ones(4), async_op=True)
+                collectives.broadcast(torch.ones(4), src=0)
         before = [e.name for e in tl.comm_events()]
         late.wait()  # after the block: the timeline stays as it was
-        assert before == ["all_reduce"] and [e.name for e in tl.comm_events()] == before
+        assert before == ["all_reduce", "broadcast"] and [e.name for e in tl.comm_events()] == before
+        assert tl.unwaited == ["all_reduce", "all_gather"]  # in issue order
+        assert pickle.loads(pickle.dumps(tl)).unwaited == ["all_reduce", "all_gather"]
+        never.wait()
 
 
 def test_a_recorded_timeline_loads_where_its_device_is_missing(monkeypatch):

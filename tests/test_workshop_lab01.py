@@ -98,13 +98,32 @@ def dummy_collectives_beside_torch(t):
     return t
 
 
+def all_gather_not_waited(t):
+    import torch.distributed as dist
+    shard = torch.empty(t.numel() // dist.get_world_size())
+    collectives.reduce_scatter_tensor(shard, t.clone())
+    gathered = torch.empty_like(t)
+    collectives.all_gather_into_tensor(gathered, shard, async_op=True)   # the handle is dropped
+    t.copy_(gathered)
+    return t
+
+
+def all_reduce_not_waited(t):
+    import torch.distributed as dist
+    rank, k = dist.get_rank(), t.numel() // dist.get_world_size()
+    total = t.clone()
+    collectives.all_reduce(total, async_op=True)     # the handle is dropped
+    return total[rank * k:(rank + 1) * k]
+
+
 @pytest.fixture(scope="module")
 def lab01_launch():
     solution = LAB01["my_reduce_scatter"][1]
     cases = [(solution, "reduce_scatter"), (reduce_scatter_itself, "reduce_scatter"),
              (all_reduce_in_place, "reduce_scatter"), (torch_all_reduce, "reduce_scatter"), (torch_all_reduce_in_place, "all_reduce"),
              (gather_whole_and_sum, "all_reduce"), (sum_without_return, "all_reduce"),
-             (in_two_parts, "all_reduce"), (dummy_collectives_beside_torch, "all_reduce")]
+             (in_two_parts, "all_reduce"), (dummy_collectives_beside_torch, "all_reduce"),
+             (all_gather_not_waited, "all_reduce"), (all_reduce_not_waited, "reduce_scatter")]
     return Lab01Launch(cases, [(solution, "reduce_scatter"), (in_two_parts, "all_reduce")])
 
 
@@ -149,6 +168,14 @@ def test_all_reduce_passes_only_through_the_two_collectives(lab01_launch, monkey
 
     none = lab01.check_my_all_reduce(sum_without_return)
     assert none.mistake == "returned_none" and "return t" in none.hint
+
+
+def test_a_collective_not_waited_on_is_named(lab01_launch, monkeypatch):
+    monkeypatch.setattr(lab01, "launch", lab01_launch.launch)
+    gathered = lab01.check_my_all_reduce(all_gather_not_waited)
+    assert gathered.mistake == "not_waited" and "issued all_gather with async_op=True" in gathered.message
+    summed = lab01.check_my_reduce_scatter(all_reduce_not_waited)
+    assert summed.mistake == "not_waited" and "issued all_reduce with async_op=True" in summed.message
 
 
 # ----------------------------------------------------------------------------- lab 01

@@ -44,6 +44,12 @@ class AfterStepDDP(zero.DataParallel):
             collectives.all_reduce(p.grad, op="avg")    # set every .grad to None
 
 
+class UnwaitedDDP(zero.DataParallel):
+    def after_backward(self):
+        for p in self.params:                           # the handles are dropped, never waited on
+            collectives.all_reduce(p.grad, op="avg", async_op=True)
+
+
 class UngatheredZeRO1(zero.ZeRO1):
     def after_step(self):
         pass                                            # slices never gathered back
@@ -180,7 +186,7 @@ class WholeOptimizerZeRO3(zero.ZeRO3):
 LAB03 = Shipped("03_zero_by_hand")
 STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced",
                                               TorchDistributedDDP: "no_collective",
-                                              AfterStepDDP: "reduced_after_step"}),
+                                              AfterStepDDP: "reduced_after_step", UnwaitedDDP: "not_waited"}),
           "ZeRO1": (lab03.check_zero1, zero.ZeRO1, {UngatheredZeRO1: "not_gathered",
                                                     AllReduceZeRO1: "wire_bytes",
                                                     OtherSliceZeRO1: "wrong_shard",

@@ -158,11 +158,19 @@ def two_ranks_hard_coded(flat_grad):
     return shard / 2
 
 
+def not_waited_on(flat_grad):
+    """Reduce-scatters asynchronously and divides before the handle is waited on (never)."""
+    import torch.distributed as dist
+    shard = torch.empty(flat_grad.numel() // dist.get_world_size())
+    collectives.reduce_scatter_tensor(shard, flat_grad, async_op=True)
+    return shard / dist.get_world_size()
+
+
 @pytest.fixture(scope="module")
 def lab04_launch():
     solution = LAB04["reduce_flat_grad"][1]
     cases = [(solution,), (not_averaged,), (all_reduced,), (own_piece,), (all_reduced_then_sliced,),
-             (averaged_by_the_collective,), (two_ranks_hard_coded,)]
+             (averaged_by_the_collective,), (two_ranks_hard_coded,), (not_waited_on,)]
     return SharedLaunch(lab04._reduce_case, cases, world_size=lab04.REDUCE_WORLD)
 
 
@@ -187,6 +195,7 @@ def test_reduce_flat_grad_verdicts(lab04_launch, lab04_other_world, monkeypatch)
     right = lab04.check_reduce_flat_grad(solution)
     assert right.solved and "divided" not in right.message and "world size 2" in right.message
     assert lab04.check_reduce_flat_grad(not_averaged).mistake == "not_averaged"
+    assert lab04.check_reduce_flat_grad(not_waited_on).mistake == "not_waited"
     assert lab04.check_reduce_flat_grad(all_reduced).mistake == "whole_gradient"
     assert lab04.check_reduce_flat_grad(own_piece).mistake == "not_reduced"
     assert lab04.check_reduce_flat_grad(all_reduced_then_sliced).mistake == "not_reduce_scatter"

@@ -216,12 +216,23 @@ def last_rows(module, args):
         setattr(module, name, gathered[-module.rows[name]:])
 
 
+def gather_not_waited(module, args):
+    """Sets the weights from all-gathers whose handles are never waited on."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    for name, shard in module.shards.items():
+        gathered = torch.empty(world * shard.shape[0], *shard.shape[1:])
+        collectives.all_gather_into_tensor(gathered, shard, async_op=True)
+        setattr(module, name, gathered[:module.rows[name]])
+
+
 @pytest.fixture(scope="module")
 def lab05_launch():
     solution = LAB05["pre_forward"][1]
     cases = [(solution,), (kept_padding,), (own_shard_only,), (reversed_ranks,), (all_reduced_pieces,),
              (gathered_around_collectives,), (one_gather_for_both,), (output_one_shard_long,),
-             (half_the_rows,), (last_rows,), (stacked_output,), (flat_output,), (stacked_rows_kept,)]
+             (half_the_rows,), (last_rows,), (stacked_output,), (flat_output,), (stacked_rows_kept,),
+             (gather_not_waited,)]
     return SharedLaunch(lab05._hook_case, cases, world_size=lab05.HOOK_WORLD)
 
 
@@ -244,6 +255,7 @@ def test_pre_forward_verdicts(lab05_launch, monkeypatch):
     assert lab05.check_pre_forward(last_rows).mistake == "dropped_first_rows"
     assert lab05.check_pre_forward(stacked_output).solved
     assert lab05.check_pre_forward(flat_output).solved
+    assert lab05.check_pre_forward(gather_not_waited).mistake == "not_waited"
     stacked = lab05.check_pre_forward(stacked_rows_kept)
     assert stacked.mistake == "stacked_output" and "shape (4, 2, 5)" in stacked.message
 

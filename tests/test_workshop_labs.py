@@ -175,6 +175,12 @@ def all_reduce_values(values):
     return v.mean().item()
 
 
+def unwaited_mean(values):
+    totals = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=values.dtype)])
+    collectives.all_reduce(totals, async_op=True)       # the handle is dropped: never waited on
+    return (totals[0] / totals[1]).item()
+
+
 LAB00 = Shipped("00_start_here")
 
 
@@ -184,7 +190,7 @@ def lab00_launch():
     return SharedLaunch(lab00._run_global_mean, [(solution,), (mean_of_means,), (local_mean,),
                                                  (sum_of_values,), (integer_mean,),
                                                  (gather_objects_mean,), (gather_to_one_mean,),
-                                                 (gather_tensor_mean,)],
+                                                 (gather_tensor_mean,), (unwaited_mean,)],
                         world_size=lab00.MEAN_WORLD)
 
 
@@ -199,6 +205,8 @@ def test_global_mean_verdicts(lab00_launch, monkeypatch):
     assert lab00.check_global_mean(mean_of_means).mistake == "mean_of_means"
     assert lab00.check_global_mean(local_mean).mistake == "no_collective"
     assert lab00.check_global_mean(sum_of_values).mistake == "not_divided"
+    unwaited = lab00.check_global_mean(unwaited_mean)
+    assert unwaited.mistake == "not_waited" and "issued all_reduce with async_op=True" in unwaited.message
     floor = lab00.check_global_mean(integer_mean)
     assert floor.mistake == "integer_division" and "returned 14," in floor.message
     # the right mean, but from the values collected in one place

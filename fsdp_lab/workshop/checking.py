@@ -112,6 +112,36 @@ def wrong_collectives(used: list[str], expected: str, right: str, why: str, hint
     return None
 
 
+def not_waited(unwaited_by_rank: list[list[str]], hint: str = "") -> _Outcome | None:
+    """The mistake "not_waited" when an answer issued an asynchronous collective and did not wait
+    on its handle (``unwaited_by_rank``: each rank's ``Timeline.unwaited``, as recorded by
+    :func:`answer_timeline` or :func:`collective_calls`), else None. Checked before the values:
+    an unwaited result can look like any other mistake, or by luck like the right answer."""
+    names = sorted({name for names in unwaited_by_rank for name in names})
+    if not names:
+        return None
+    return mistake("not_waited", f"your code issued {' and '.join(names)} with async_op=True and never "
+                                 "waited on the handle it returned: until handle.wait() returns, the "
+                                 "output may not hold the result yet",
+                   hint or "keep the handle (handle = collectives.all_reduce(t, async_op=True)) and call "
+                           "handle.wait() before the result is read")
+
+
+@contextlib.contextmanager
+def answer_timeline():
+    """A ``Timeline`` around a learner's answer, for a checker's ranks: an asynchronous collective
+    the answer did not wait on is left in ``timeline.unwaited`` for :func:`not_waited`, without
+    the Timeline's warning (which would print under the checking cell)."""
+    import warnings
+
+    from fsdp_lab.timeline import Timeline
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*were not waited on before its `with` block ended")
+        with Timeline() as timeline:
+            yield timeline
+
+
 # torch.distributed's collective functions -> (the name a Timeline gives the collective, the position
 # of the argument whose bytes a Timeline counts as its size: the output of an all-gather, the input of
 # a reduce-scatter or an all-to-all, the tensor itself otherwise)
@@ -136,20 +166,26 @@ class DirectCall:
     args: dict
 
 
+class CollectiveCalls(list):
+    """:func:`collective_calls`' list, with ``unwaited``: the asynchronous collectives issued
+    through ``fsdp_lab.collectives`` that were not waited on inside the block, by name."""
+
+    unwaited: list[str] = []
+
+
 @contextlib.contextmanager
 def collective_calls():
     """Record every collective the block issues, in the yielded list once the block ends: those
     through ``fsdp_lab.collectives`` as a Timeline's comm events, then every call of
     ``torch.distributed``'s collective functions (looked up on the module, as
     ``dist.all_reduce(...)`` does) as :class:`DirectCall` s with the same ``name``, ``bytes`` and
-    ``args``. Calls made from fsdp_lab's own code (gloo's reduce-scatter is an all-to-all) are
-    the Timeline's, so nothing is counted twice. Not thread-safe: it swaps the module's
-    attributes for the duration of the block."""
+    ``args``; those not waited on in its ``unwaited`` (see :func:`answer_timeline`). Calls made
+    from fsdp_lab's own code (gloo's reduce-scatter is an all-to-all) are the Timeline's, so
+    nothing is counted twice. Not thread-safe: it swaps the module's attributes for the
+    duration of the block."""
     import torch.distributed as dist
 
-    from fsdp_lab.timeline import Timeline
-
-    calls: list = []
+    calls = CollectiveCalls()
     originals = {name: getattr(dist, name) for name in _TORCH_COLLECTIVES if hasattr(dist, name)}
 
     def recording(function_name, function):
@@ -176,12 +212,13 @@ def collective_calls():
     for function_name, function in originals.items():
         setattr(dist, function_name, recording(function_name, function))
     try:
-        with Timeline() as timeline:
+        with answer_timeline() as timeline:
             yield calls
     finally:
         for function_name, function in originals.items():
             setattr(dist, function_name, function)
     calls[:0] = timeline.comm_events()
+    calls.unwaited = timeline.unwaited
 
 
 def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str], _Outcome | None] | None = None):

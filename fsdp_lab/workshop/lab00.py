@@ -17,7 +17,7 @@ import torch
 
 from fsdp_lab.launch import launch
 from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, collective_calls, correct,
-                                        is_placeholder, mistake, placeholder_left)
+                                        is_placeholder, mistake, not_waited, placeholder_left)
 
 MEAN_WORLD = 3  # ranks for check_global_mean
 
@@ -38,7 +38,7 @@ def _run_global_mean(global_mean):
     with collective_calls() as calls:
         value = global_mean(rank_values(dist.get_rank()))
     value = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-    return {"value": value, "collectives": [c.name for c in calls]}
+    return {"value": value, "collectives": [c.name for c in calls], "unwaited": calls.unwaited}
 
 
 def _explain_mean(error: BaseException, text: str):
@@ -70,6 +70,9 @@ def check_global_mean(global_mean):
     answers = [o["value"] for o in out]
     if any(is_placeholder(a) for a in answers):
         return placeholder_left("global_mean")
+    unwaited = not_waited([o["unwaited"] for o in out])
+    if unwaited:
+        return unwaited
     gathers = sorted({name for o in out for name in o["collectives"] if name in GATHERS})
     if gathers:
         return mistake("gathered_values", f"your function used {' and '.join(gathers)}, which "

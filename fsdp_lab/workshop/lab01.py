@@ -18,8 +18,8 @@ import torch
 
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from fsdp_lab.workshop.measure import wire_bytes
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, error_line, is_placeholder, mistake,
-                                        placeholder_left)
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, answer_timeline, checker, correct, error_line, is_placeholder,
+                                        mistake, not_waited, placeholder_left)
 
 WORLD = 4
 ELEMENTS_PER_RANK = 3  # each rank's chunk; the full tensor has WORLD * ELEMENTS_PER_RANK
@@ -38,12 +38,11 @@ def _run(answer, which: str, per_rank: int = ELEMENTS_PER_RANK):
     import torch.distributed as dist
 
     from fsdp_lab import collectives
-    from fsdp_lab.timeline import Timeline
 
     rank = dist.get_rank()
     given = _rank_input(rank, dist.get_world_size() * per_rank)
     t = given.clone()
-    with Timeline() as tl:
+    with answer_timeline() as tl:
         result = answer(t)
     reference = given.clone()
     if which == "all_reduce":
@@ -54,7 +53,8 @@ def _run(answer, which: str, per_rank: int = ELEMENTS_PER_RANK):
     if isinstance(result, torch.Tensor):
         result = result.detach().clone()
     return {"result": result, "t": t, "reference": reference,
-            "comm": [(e.name, e.bytes) for e in tl.comm_events()], "wire": wire_bytes(tl.comm_events())}
+            "comm": [(e.name, e.bytes) for e in tl.comm_events()], "wire": wire_bytes(tl.comm_events()),
+            "unwaited": tl.unwaited}
 
 
 def _same(a, b) -> bool:
@@ -110,6 +110,9 @@ def check_my_all_reduce(my_all_reduce):
     out = launch(_run, my_all_reduce, "all_reduce", world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("my_all_reduce")
+    unwaited = not_waited([o["unwaited"] for o in out])
+    if unwaited:
+        return unwaited
     names = {name for o in out for name, _ in o["comm"]}
     if "all_reduce" in names:
         return mistake("used_all_reduce", f"your function called all_reduce ({_used(out)}); build "
@@ -185,6 +188,9 @@ def check_my_reduce_scatter(my_reduce_scatter):
     out = launch(_run, my_reduce_scatter, "reduce_scatter", world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("my_reduce_scatter")
+    unwaited = not_waited([o["unwaited"] for o in out])
+    if unwaited:
+        return unwaited
     names = {name for o in out for name, _ in o["comm"]}
     if names - {"all_reduce"}:
         return mistake("used_other_collective", f"your function called {_used(out)}; build the "

@@ -27,7 +27,7 @@ import torch
 from fsdp_lab.launch import launch
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig
-from fsdp_lab.workshop.checking import CHECK_TIMEOUT, checker, correct, mistake
+from fsdp_lab.workshop.checking import CHECK_TIMEOUT, answer_timeline, checker, correct, mistake, not_waited
 from fsdp_lab.workshop.measure import bytes_by_collective, wire_bytes
 from fsdp_lab.workshop.zero import EPS, LR
 
@@ -57,6 +57,7 @@ class StageRun:
     timeline: object   # fsdp_lab.timeline.Timeline of step MEASURED_STEP
     numels: list[int] = dataclasses.field(default_factory=list)  # of each optimizer tensor, first step
     kept_after_setup: int = 0  # bytes the model's parameters still held right after construction
+    unwaited: list[str] = dataclasses.field(default_factory=list)  # async collectives of step MEASURED_STEP never waited on
 
 
 def batch_for(step: int, rank: int = 0, world_size: int = 1):
@@ -73,7 +74,6 @@ def train_on_rank(stage_class, params_from_shards: bool = False) -> StageRun:
     import torch.distributed as dist
 
     from fsdp_lab.memory.tracker import MemoryTracker
-    from fsdp_lab.timeline import Timeline
 
     # the timeline's backward hooks on the embedding warn that its input needs no gradient
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -97,7 +97,7 @@ def train_on_rank(stage_class, params_from_shards: bool = False) -> StageRun:
     for step in range(STEPS):
         batch = batch_for(step, rank, world)
         if step == MEASURED_STEP:
-            with Timeline() as timeline, MemoryTracker(model, optimizer) as tracker:
+            with answer_timeline() as timeline, MemoryTracker(model, optimizer) as tracker:
                 timeline.attach(model)
                 loss = stage.step(batch)
             memory = tracker.result()
@@ -107,7 +107,7 @@ def train_on_rank(stage_class, params_from_shards: bool = False) -> StageRun:
         if step == 0:
             after_first = stage.full_parameters(params_from_shards)
     return StageRun(rank, world, losses, seen, after_first, stage.full_parameters(params_from_shards),
-                    memory, timeline, numels, kept_after_setup)
+                    memory, timeline, numels, kept_after_setup, timeline.unwaited if timeline else [])
 
 
 def measure(stage_class, world_size: int = WORLD, *, params_from_shards: bool | None = None,
@@ -314,6 +314,11 @@ def _check_stage(stage: str, stage_class):
     elements, tensors = sum(t.numel() for t in ref.initial.values()), len(names)
     sharded = stage != "DDP"
     whole = 4 * elements
+    unwaited = not_waited([run.unwaited for run in runs], "keep each handle the hooks' collectives return "
+                                                          "and wait on all of them in after_backward, before "
+                                                          "the optimizer reads the gradients")
+    if unwaited:
+        return unwaited
 
     # 1. the gradient the optimizer sees at the first step
     for run in runs:

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, error_line, is_placeholder, mistake,
-                                        placeholder_left, wrong_collectives)
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, answer_timeline, checker, correct, error_line, is_placeholder,
+                                        mistake, not_waited, placeholder_left, wrong_collectives)
 
 REDUCE_WORLD = 2
 OTHER_WORLD = 3    # the second world size ``check_reduce_flat_grad`` runs a right answer on
@@ -151,7 +151,6 @@ def _reduce_case(reduce_flat_grad):
     from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
     from fsdp_lab.models.data import global_batch, shard_batch
     from fsdp_lab.models.llama import Llama
-    from fsdp_lab.timeline import Timeline
 
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = shard_batch(global_batch(512, 4, 16, step=0), rank, world)
@@ -170,12 +169,12 @@ def _reduce_case(reduce_flat_grad):
     local = torch.cat([grads[info.fqn.replace("_fsdp_wrapped_module.", "")].reshape(-1) for info in layout.infos])
     flat_grad = torch.cat([local, local.new_zeros(layout.padded_numel - layout.numel)])
     given = flat_grad.clone()
-    with Timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
+    with answer_timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
         result = reduce_flat_grad(given)
     if isinstance(result, torch.Tensor):
         result = result.detach().clone()
     return {"result": result, "reference": reference, "local": flat_grad, "rank": rank,
-            "collectives": [e.name for e in timeline.comm_events()],
+            "collectives": [e.name for e in timeline.comm_events()], "unwaited": timeline.unwaited,
             "shard_numel": layout.shard_numel, "padded_numel": layout.padded_numel}
 
 
@@ -233,6 +232,9 @@ def check_reduce_flat_grad(reduce_flat_grad):
     out = launch(_reduce_case, reduce_flat_grad, world_size=REDUCE_WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o["result"]) for o in out):
         return placeholder_left("reduce_flat_grad")
+    unwaited = not_waited([o["unwaited"] for o in out])
+    if unwaited:
+        return unwaited
     if not all(isinstance(o["result"], torch.Tensor) for o in out):
         return mistake("not_a_tensor", "return this rank's shard of the averaged gradient as a tensor")
     if all(_close(o["result"], o["reference"]) for o in out):

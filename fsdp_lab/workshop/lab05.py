@@ -19,8 +19,8 @@ import math
 import torch
 
 from fsdp_lab.launch import launch
-from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, correct, is_placeholder, mistake, placeholder_left,
-                                        wrong_collectives)
+from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, answer_timeline, checker, correct, is_placeholder, mistake,
+                                        not_waited, placeholder_left, wrong_collectives)
 
 HOOK_WORLD = 4
 HOOK_SHAPE = (7, 5)  # out_features, in_features of the checked nn.Linear: 7 rows on 4 ranks
@@ -138,8 +138,6 @@ def _hook_case(pre_forward):
     of the collectives it issued, beside a one-process reference run of the same layer."""
     import torch.distributed as dist
 
-    from fsdp_lab.timeline import Timeline
-
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     full = torch.nn.Linear(HOOK_SHAPE[1], HOOK_SHAPE[0])
@@ -165,7 +163,7 @@ def _hook_case(pre_forward):
 
     layer.register_forward_pre_hook(hook)
     try:
-        with Timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
+        with answer_timeline() as timeline:   # records every collective issued through fsdp_lab.collectives
             out = layer(x).detach()
         error = ""
     except Exception as exc:  # noqa: BLE001 - the hook's error, or shapes that do not multiply: reported below
@@ -174,7 +172,7 @@ def _hook_case(pre_forward):
     seen = {name: (None if getattr(layer, name) is None else getattr(layer, name).detach().clone())
             for name in ("weight", "bias")}
     return {"out": out, "error": error, "hook_error": hook_error[0] if hook_error else "",
-            "reference": reference, "seen": seen, "collectives": issued,
+            "reference": reference, "seen": seen, "collectives": issued, "unwaited": timeline.unwaited,
             "shards": {name: tuple(shard.shape) for name, shard in layer.shards.items()},
             "full": {n: p.detach().clone() for n, p in full.named_parameters()}}
 
@@ -195,6 +193,9 @@ def check_pre_forward(pre_forward):
     raised = next((o["hook_error"] for o in out if o["hook_error"]), "")
     if "ellipsis" in raised.lower():
         return placeholder_left("pre_forward")
+    unwaited = not_waited([o["unwaited"] for o in out])
+    if unwaited:
+        return unwaited
     if raised:
         where = "before setting module.weight" if seen is None else "after setting module.weight"
         return mistake("hook_raised", f"{where}, the hook raised {raised}")

@@ -25,7 +25,7 @@ import time
 
 from fsdp_lab.launch import launch
 from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, AnswerTimedOut, checker, collective_calls, correct, mistake,
-                                        time_limit)
+                                        not_waited, time_limit)
 
 WORLD = 2
 ANSWER_SECONDS = 10.0  # wall time for all of next_microbatch's cases (well under 0.1 s when it is right)
@@ -51,7 +51,7 @@ def _run(answer):
         n_collectives = len(calls)
         ours = oom._flags(*mine)  # fsdp_lab's own, on the same ranks
         out.append((tuple(int(v) for v in got) if isinstance(got, (tuple, list)) else got,
-                    n_collectives, (ours[0], 1 - ours[1])))
+                    n_collectives, (ours[0], 1 - ours[1]), calls.unwaited))
     return out
 
 
@@ -62,11 +62,14 @@ def check_agreement(agreement):
     compare each rank's (someone_oomed, all_done) with the MAX over ranks computed by hand; also
     count the collectives it used per call (one all-reduce is enough)."""
     per_rank = launch(_run, agreement, world_size=WORLD, timeout=CHECK_TIMEOUT)
+    unwaited = not_waited([call[3] for calls in per_rank for call in calls])
+    if unwaited:
+        return unwaited
     wrong = []   # (case, rank, got, want) of every call that disagrees with the formula
     for i, case in enumerate(CASES):
         want = expected(case)
         for rank in range(WORLD):
-            got, _, ours = per_rank[rank][i]
+            got, _, ours, _ = per_rank[rank][i]
             assert ours == want, "fsdp_lab's own agreement disagrees with the formula"
             if not isinstance(got, tuple) or len(got) != 2:
                 return mistake("shape", f"agreement returned {got!r}; return two ints: (someone_oomed, all_done)")
@@ -74,7 +77,7 @@ def check_agreement(agreement):
                 wrong.append((case, rank, got, want))
     if wrong:
         return _classify_wrong(wrong)
-    counts = {n for rows in per_rank for _, n, _ in rows}
+    counts = {n for rows in per_rank for _, n, _, _ in rows}
     if max(counts) > 1:
         return mistake("two_all_reduces", f"right values, but {max(counts)} collectives per call: Composer pays "
                                           "two (MAX then MIN); one two-element MAX does both, since "
