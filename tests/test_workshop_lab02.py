@@ -34,6 +34,12 @@ def one_moment(model):
     return {"params": nbytes, "grads": nbytes, "optimizer_state": nbytes + 4 * len(params)}
 
 
+def step_in_param_dtype(model):
+    params = list(model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    return {"params": nbytes, "grads": nbytes, "optimizer_state": 2 * nbytes + params[0].element_size() * len(params)}
+
+
 def counted_elements(model):
     numel = sum(p.numel() for p in model.parameters())
     return {"params": numel, "grads": numel, "optimizer_state": 2 * numel}
@@ -51,6 +57,8 @@ def test_predict_model_states_verdicts():
     assert lab02.check_predict_model_states(counted_elements).mistake == "counted_elements"
     # correct in float32, wrong for the bf16 model
     assert lab02.check_predict_model_states(states_in_fp32).mistake == "states_in_fp32"
+    step = lab02.check_predict_model_states(step_in_param_dtype)   # right in float32 only
+    assert step.mistake == "step_in_param_dtype" and "39 x 4 B" in step.message
 
 
 def test_model_states_reference_is_the_hand_count():

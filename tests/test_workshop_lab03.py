@@ -44,6 +44,19 @@ class AfterStepDDP(zero.DataParallel):
             collectives.all_reduce(p.grad, op="avg")    # set every .grad to None
 
 
+class TwiceAveragedDDP(zero.DataParallel):
+    def after_backward(self):
+        for p in self.params:
+            collectives.all_reduce(p.grad, op="avg")
+            p.grad /= self.world                        # avg already divided
+
+
+class LastSkippedDDP(zero.DataParallel):
+    def after_backward(self):
+        for p in self.params[:-1]:                      # the last parameter stays this rank's own
+            collectives.all_reduce(p.grad, op="avg")
+
+
 class UnwaitedDDP(zero.DataParallel):
     def after_backward(self):
         for p in self.params:                           # the handles are dropped, never waited on
@@ -118,6 +131,18 @@ class UntaggedGradZeRO1(zero.ZeRO1):
             p.grad = None
 
 
+class NoAllocZeRO3(zero.ZeRO3):
+    def gather(self, unit):
+        for p in unit.parameters():                     # alloc_storage(p) forgotten
+            collectives.all_gather_into_tensor(p.data.reshape(-1), self.shard_of[p].detach())
+
+
+class GatherAfterStepZeRO3(zero.ZeRO3):
+    def after_step(self):
+        for unit in self.units():                       # ZeRO-3 gathers nothing after the step
+            self.gather(unit)
+
+
 class UntaggedShardsZeRO3(zero.ZeRO3):
     def param_shard(self, param):
         return self.my_slice(param.data).clone().requires_grad_()    # the slice, but not tagged
@@ -186,7 +211,9 @@ class WholeOptimizerZeRO3(zero.ZeRO3):
 LAB03 = Shipped("03_zero_by_hand")
 STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentDDP: "not_reduced",
                                               TorchDistributedDDP: "no_collective",
-                                              AfterStepDDP: "reduced_after_step", UnwaitedDDP: "not_waited"}),
+                                              AfterStepDDP: "reduced_after_step", UnwaitedDDP: "not_waited",
+                                              TwiceAveragedDDP: "averaged_twice",
+                                              LastSkippedDDP: "some_gradients_wrong"}),
           "ZeRO1": (lab03.check_zero1, zero.ZeRO1, {UngatheredZeRO1: "not_gathered",
                                                     AllReduceZeRO1: "wire_bytes",
                                                     OtherSliceZeRO1: "wrong_shard",
@@ -203,7 +230,9 @@ STAGES = {"DDP": (lab03.check_ddp, zero.DDP, {SummedDDP: "not_averaged", SilentD
                                                     LateBindingZeRO3: "not_gathered_for_forward",
                                                     FreedBeforeShardZeRO3: "freed_before_shard",
                                                     NotFreedInSetupZeRO3: "params_not_sharded",
-                                                    WholeOptimizerZeRO3: "optimizer_not_sharded"})}
+                                                    WholeOptimizerZeRO3: "optimizer_not_sharded",
+                                                    NoAllocZeRO3: "gathered_into_freed",
+                                                    GatherAfterStepZeRO3: "not_freed_after_backward"})}
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +262,14 @@ def test_lab03_verdicts(stage, lab03_launch, monkeypatch):
     for answer, mistake in wrong.items():
         verdict = check(answer)
         assert verdict.mistake == mistake, f"{answer.__name__}: {verdict}"
+
+
+def test_lab03_names_the_parameters_left_out(lab03_launch, monkeypatch):
+    monkeypatch.setattr(lab03, "launch", lab03_launch.launch)
+    names = list(lab03.reference().initial)
+    verdict = lab03.check_ddp(LastSkippedDDP)
+    assert f"the gradients of {names[-1]} differ" in verdict.message, verdict
+    assert "this rank's own, not reduced" in verdict.message and f"other {len(names) - 1} are right" in verdict.message
 
 
 def test_lab03_praise_names_the_saving_of_each_stage(lab03_launch, monkeypatch):

@@ -51,6 +51,13 @@ def padding_first(params, world, rank):
     return flat[rank * shard:(rank + 1) * shard]
 
 
+def padded_with_ones(params, world, rank):
+    flat = torch.cat([p.reshape(-1) for p in params])
+    shard = math.ceil(flat.numel() / world)
+    flat = torch.cat([flat, flat.new_ones(shard * world - flat.numel())])
+    return flat[rank * shard:(rank + 1) * shard]
+
+
 def _block_shards():
     import torch.distributed as dist
 
@@ -99,6 +106,8 @@ def test_rank_shard_verdicts(real_block):
     assert lab04.check_rank_shard(floor_shard).mistake == "floor_shard"
     assert lab04.check_rank_shard(next_rank).mistake == "wrong_rank"
     assert lab04.check_rank_shard(padding_first).mistake == "padding_first"
+    ones = lab04.check_rank_shard(padded_with_ones)
+    assert ones.mistake == "padding_not_zero" and "padding holds 1 for" in ones.message
     assert lab04.check_rank_shard(padded_chunk).mistake == "short_chunks"
     verdict = lab04.check_rank_shard(two_dims_only)
     assert verdict.mistake == "raised" and "IndexError" in verdict.message and "1-D" in verdict.message
@@ -158,6 +167,13 @@ def two_ranks_hard_coded(flat_grad):
     return shard / 2
 
 
+def averaged_twice(flat_grad):
+    import torch.distributed as dist
+    shard = torch.empty(flat_grad.numel() // dist.get_world_size())
+    collectives.reduce_scatter_tensor(shard, flat_grad, op="avg")
+    return shard / dist.get_world_size()              # avg already divided
+
+
 def not_waited_on(flat_grad):
     """Reduce-scatters asynchronously and divides before the handle is waited on (never)."""
     import torch.distributed as dist
@@ -170,7 +186,7 @@ def not_waited_on(flat_grad):
 def lab04_launch():
     solution = LAB04["reduce_flat_grad"][1]
     cases = [(solution,), (not_averaged,), (all_reduced,), (own_piece,), (all_reduced_then_sliced,),
-             (averaged_by_the_collective,), (two_ranks_hard_coded,), (not_waited_on,)]
+             (averaged_by_the_collective,), (two_ranks_hard_coded,), (not_waited_on,), (averaged_twice,)]
     return SharedLaunch(lab04._reduce_case, cases, world_size=lab04.REDUCE_WORLD)
 
 
@@ -196,6 +212,7 @@ def test_reduce_flat_grad_verdicts(lab04_launch, lab04_other_world, monkeypatch)
     assert right.solved and "divided" not in right.message and "world size 2" in right.message
     assert lab04.check_reduce_flat_grad(not_averaged).mistake == "not_averaged"
     assert lab04.check_reduce_flat_grad(not_waited_on).mistake == "not_waited"
+    assert lab04.check_reduce_flat_grad(averaged_twice).mistake == "averaged_twice"
     assert lab04.check_reduce_flat_grad(all_reduced).mistake == "whole_gradient"
     assert lab04.check_reduce_flat_grad(own_piece).mistake == "not_reduced"
     assert lab04.check_reduce_flat_grad(all_reduced_then_sliced).mistake == "not_reduce_scatter"

@@ -33,6 +33,12 @@ def floor_rows(param, world, rank):
     return param[rank * rows:(rank + 1) * rows]
 
 
+def split_evenly(param, world, rank):
+    rows = math.ceil(param.shape[0] / world)
+    mine = torch.tensor_split(param, world, dim=0)[rank]   # 2, 1, 1, 1 rows of 5 where chunk gives 2, 2, 1, 0
+    return torch.cat([mine, param.new_zeros((rows - mine.shape[0], *param.shape[1:]))])
+
+
 def padding_on_top(param, world, rank):
     rows = math.ceil(param.shape[0] / world)
     mine = param[rank * rows:(rank + 1) * rows]
@@ -89,6 +95,9 @@ def test_shard_param_verdicts():
     assert lab05.check_shard_param(unpadded).mistake == "no_padding"
     assert lab05.check_shard_param(floor_rows).mistake == "floor_rows"
     assert lab05.check_shard_param(padding_on_top).mistake == "padding_first"
+    split = lab05.check_shard_param(split_evenly)
+    assert split.mistake == "tensor_split" and "[2, 1, 1, 1] per rank" in split.message
+    assert "[2, 2, 1, 0]" in split.message
     assert lab05.check_shard_param(padded_chunk).mistake == "short_chunks"
     verdict = lab05.check_shard_param(two_dims_only)
     assert verdict.mistake == "raised" and "IndexError" in verdict.message and "1-D" in verdict.message

@@ -175,6 +175,20 @@ def all_reduce_values(values):
     return v.mean().item()
 
 
+def sum_over_world(values):
+    import torch.distributed as dist
+    total = values.sum().clone()
+    collectives.all_reduce(total)
+    return (total / dist.get_world_size()).item()       # the ranks hold different numbers of values
+
+
+def mean_on_rank_zero(values):
+    import torch.distributed as dist
+    totals = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=values.dtype)])
+    collectives.all_reduce(totals)
+    return (totals[0] / totals[1]).item() if dist.get_rank() == 0 else None
+
+
 def unwaited_mean(values):
     totals = torch.stack([values.sum(), torch.tensor(float(values.numel()), dtype=values.dtype)])
     collectives.all_reduce(totals, async_op=True)       # the handle is dropped: never waited on
@@ -190,7 +204,8 @@ def lab00_launch():
     return SharedLaunch(lab00._run_global_mean, [(solution,), (mean_of_means,), (local_mean,),
                                                  (sum_of_values,), (integer_mean,),
                                                  (gather_objects_mean,), (gather_to_one_mean,),
-                                                 (gather_tensor_mean,), (unwaited_mean,)],
+                                                 (gather_tensor_mean,), (unwaited_mean,),
+                                                 (sum_over_world,), (mean_on_rank_zero,)],
                         world_size=lab00.MEAN_WORLD)
 
 
@@ -205,6 +220,10 @@ def test_global_mean_verdicts(lab00_launch, monkeypatch):
     assert lab00.check_global_mean(mean_of_means).mistake == "mean_of_means"
     assert lab00.check_global_mean(local_mean).mistake == "no_collective"
     assert lab00.check_global_mean(sum_of_values).mistake == "not_divided"
+    per_rank = lab00.check_global_mean(sum_over_world)
+    assert per_rank.mistake == "divided_by_world" and "29.3333, the sum of all values divided" in per_rank.message
+    only_zero = lab00.check_global_mean(mean_on_rank_zero)
+    assert only_zero.mistake == "not_a_number" and "ranks 1, 2 returned NoneType" in only_zero.message
     unwaited = lab00.check_global_mean(unwaited_mean)
     assert unwaited.mistake == "not_waited" and "issued all_reduce with async_op=True" in unwaited.message
     floor = lab00.check_global_mean(integer_mean)

@@ -89,6 +89,12 @@ def check_global_mean(global_mean):
                        "so the total and the count both had to be summed over the ranks")
     if not all(isinstance(a, (int, float)) for a in answers):
         kinds = sorted({type(a).__name__ for a in answers})
+        others = [r for r, a in enumerate(answers) if not isinstance(a, (int, float))]
+        if len(others) < len(answers):
+            which = f"rank{'s' * (len(others) > 1)} {', '.join(map(str, others))}"
+            return mistake("not_a_number", f"{which} returned {', '.join(sorted({type(answers[r]).__name__ for r in others}))}, "
+                                           "the others a number: every rank must return the mean (after "
+                                           "an all-reduce every rank holds the totals)")
         return mistake("not_a_number", f"global_mean returned {', '.join(kinds)}; return a "
                                        "number (a float, or a one-element tensor)")
     local = [h.mean().item() for h in held]
@@ -108,6 +114,11 @@ def check_global_mean(global_mean):
                                            f"{expected:g}",
                        "divide in floating point: totals[0] / totals[1] (an integer tensor, int() "
                        "or // drops the fraction)")
+    if all(_close(a, everything.sum().item() / MEAN_WORLD) for a in answers):
+        return mistake("divided_by_world", f"every rank returned {answers[0]:g}, the sum of all values "
+                                           f"divided by the number of ranks ({MEAN_WORLD}); the ranks hold "
+                                           f"{everything.numel()} values in all, so the mean is {expected:g}",
+                       "all-reduce the number of values too, and divide the summed values by it")
     if all(_close(a, everything.sum().item()) for a in answers) or all(
             _close(a, sum(local)) for a in answers):
         return mistake("not_divided", "every rank returned a sum over the ranks, not a mean: "

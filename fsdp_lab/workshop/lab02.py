@@ -69,6 +69,10 @@ def check_predict_model_states(predict_model_states):
             if opt in (numel * e, numel * e + 4 * tensors):
                 return mistake("one_moment", f"{name}: {opt:,} B counts one moment; AdamW keeps two "
                                              "(exp_avg and exp_avg_sq), each the size of the parameter")
+            if e != 4 and opt == 2 * numel * e + e * tensors:
+                return mistake("step_in_param_dtype", f"{name}: you counted each `step` in the parameter's "
+                                                      f"dtype ({e} bytes); AdamW keeps it as a float32 "
+                                                      f"tensor whatever the parameters are: {tensors} x 4 B")
             if e != 4 and opt in (2 * numel * 4, 2 * numel * 4 + 4 * tensors):
                 return mistake("states_in_fp32", f"{name}: you counted the moments in float32; "
                                                  "torch.optim.AdamW creates them with zeros_like(param), "

@@ -256,6 +256,11 @@ def _explain(error: BaseException, text: str):
                        "setup() must create self.optimizer (self.make_optimizer(tensors))")
     freed = "storage of size 0" in text or "storage size of 0" in text or re.search(r"\b0 bytes", text)
     phase = _phase(text) if freed else ""
+    if freed and phase in ("forward", "backward") and any(func == "gather" for _, func in _frames(text)):
+        return mistake("gathered_into_freed",
+                       "gather wrote into a parameter whose storage was freed (0 bytes): a freed "
+                       "parameter keeps its shape but has no memory to receive the slices",
+                       "in gather(): alloc_storage(p) first, then all-gather the slices into p.data")
     if phase == "setup":
         return mistake("freed_before_shard",
                        "setup read a parameter whose storage was already freed: free_storage(p) ran "
@@ -342,11 +347,26 @@ def _check_stage(stage: str, stage_class):
                                            "single-process ones: they were summed over the ranks "
                                            "but not divided by the world size",
                            "reduce with op=\"avg\" (or divide by the world size)")
+        if all(_allclose(g, w / world) for g, w in zip(got, want)):
+            return mistake("averaged_twice", f"the gradients on rank {run.rank} are 1/{world} of the "
+                                             "single-process ones: divided by the world size twice "
+                                             "(op=\"avg\" already divides)",
+                           "either op=\"avg\", or the default sum and then a division by the world size")
         local = _expected_slices(ref.local_grads[run.rank], names, run.rank, world, sharded)
         if all(_allclose(g, w) for g, w in zip(got, local)):
             return mistake("not_reduced", f"rank {run.rank} stepped with the gradient of its own "
                                           "slice of the batch: gradients were not reduced over "
                                           "the ranks")
+        wrong = [n for n, g, w in zip(names, got, want) if not _allclose(g, w)]
+        if len(wrong) < len(names):
+            shown = ", ".join(wrong[:3]) + (f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+            unreduced = all(_allclose(got[names.index(n)], local[names.index(n)]) for n in wrong)
+            return mistake("some_gradients_wrong", f"on rank {run.rank} the gradients of {shown} differ from "
+                                                   "single-process training"
+                                                   + (" (they are this rank's own, not reduced)" if unreduced
+                                                      else "") + f"; the other {len(names) - len(wrong)} "
+                                                   "are right", "reduce every parameter's gradient, "
+                                                                "the same way")
         for other in range(world):
             theirs = _expected_slices(ref.grads[0], names, other, world, sharded)
             if other != run.rank and all(_allclose(g, w) for g, w in zip(got, theirs)):
@@ -399,7 +419,8 @@ def _check_stage(stage: str, stage_class):
         return mistake("whole_grads_kept", f"whole gradients stayed on the parameters "
                                            f"({kib(most['grads'])} at once): {stage} drops each one "
                                            "in its hook, right after reducing it",
-                       "set p.grad = None inside the post-accumulate-grad hook")
+                       "reduce-scatter each gradient in a hook, p.register_post_accumulate_grad_hook(...), "
+                       "and set p.grad = None there, right after it")
     if stage == "ZeRO-3":
         if 0 < most.get("params", 0) <= whole // world:
             return mistake("untagged_param_shards", f"{kib(most['params'])} of parameters were counted "
@@ -421,7 +442,11 @@ def _check_stage(stage: str, stage_class):
         if now.get("unsharded_params", 0):
             return mistake("not_freed_after_backward",
                            f"{kib(now['unsharded_params'])} of gathered parameters were still alive "
-                           "after the step", "free each parameter once its gradient is reduced")
+                           "after the step: gathered and not freed once their gradients were reduced, "
+                           "or gathered again after the optimizer step, where ZeRO-3 gathers nothing "
+                           "(the next forward's pre-hook does)",
+                           "free each parameter in reduce_gradient, once its gradient is reduced; "
+                           "after_step has nothing to do")
         if got["gathered"] >= whole:
             return mistake("not_freed_after_forward", "every parameter was gathered at the same "
                                                       "time: free each unit after its forward")

@@ -107,6 +107,13 @@ def _diagnose_shard(answer, params, world) -> object | None:
                             [rank * expected.numel():(rank + 1) * expected.numel()]):
             return mistake("padding_first", f"the zeros sit at the start of the flat tensor {where}; "
                                             "FSDP1 appends the padding after the last parameter")
+        real = max(0, min(expected.numel(), total - rank * expected.numel()))  # this piece's values before the padding
+        if got.shape == expected.shape and real < expected.numel() and torch.equal(got[:real], expected[:real]):
+            fill = got[real:].unique()
+            what = f"{fill.item():g}" if fill.numel() == 1 else "values other than 0"
+            return mistake("padding_not_zero", f"rank {rank}'s padding holds {what} {where}: the padding must "
+                                               "be zeros (torch.zeros or F.pad), so that a padded gradient adds "
+                                               "nothing and an all-gather brings back only zeros past the end")
         return mistake("wrong_values", f"rank {rank} got {got.numel()} elements {where} that are not its "
                                        f"piece of the padded flat tensor ({expected.numel()} elements)")
     return None
@@ -256,6 +263,11 @@ def check_reduce_flat_grad(reduce_flat_grad):
     if all(_close(o["result"], t) for o, t in zip(out, total)):
         return mistake("not_averaged", f"each rank holds the sum of the {REDUCE_WORLD} ranks' gradients: "
                                        "the loss is a mean over the whole batch, so divide by the world size")
+    if all(_close(o["result"], o["reference"] / REDUCE_WORLD) for o in out):
+        return mistake("averaged_twice", f"each rank holds 1/{REDUCE_WORLD} of the averaged gradient: divided "
+                                         "by the world size twice (op=\"avg\" already divides)",
+                       "either reduce_scatter_tensor(shard, flat_grad, op=\"avg\"), or the default sum and "
+                       "then shard / world")
     full = torch.cat([o["reference"] for o in out])
     if all(_close(o["result"], full) for o in out):
         return mistake("whole_gradient", "every rank returned the whole averaged flat gradient (an "

@@ -94,6 +94,16 @@ def _diagnose_shard(shard_param, param: torch.Tensor, world: int):
         if others:
             return mistake("wrong_rank", f"{where}: you returned rank {others[0]}'s piece",
                            "rank r's rows start at r * ceil(rows / world)")
+        split = torch.tensor_split(param, world, dim=0)[rank]
+        if split.shape[0] != own.shape[0] and got.shape[0] >= split.shape[0] and \
+                torch.equal(got[:split.shape[0]], split):
+            counts = [len(c) for c in torch.tensor_split(param, world, dim=0)]
+            real = [len(c) for c in chunks] + [0] * (world - len(chunks))
+            return mistake("tensor_split", f"{where}: you took rows as torch.tensor_split deals them, "
+                                           f"{counts} per rank; FSDP2 deals them as torch.chunk does, "
+                                           f"{real}: ceil(rows / world) = {rows} rows to each rank until "
+                                           "they run out", "torch.chunk(param, world, dim=0)[rank] (none for "
+                                                           "the ranks past its last piece), then pad")
         return mistake("wrong_values", f"{where}: expected shape {tuple(expected.shape)}, got "
                                        f"{tuple(got.shape)} with other values")
     return None

@@ -296,7 +296,9 @@ CELLS = [
     `after_backward`: reduce-scatter (average) each whole gradient into its shard's `.grad`
     (`self.new_grad_shard(shard)`), then drop the whole gradient (`p.grad = None`: it would otherwise be
     added to the next step's). `after_step`: all-gather the updated slices back into each whole parameter
-    (`p.data.reshape(-1)`; give the all-gather a copy of the shard, not a view of its own output).
+    (`p.data.reshape(-1)`). The shard is a view of this rank's own slot in that output: passed as it is,
+    that is the in-place all-gather NCCL documents; a copy (`shard.detach().clone()`) makes no such demand
+    of the backend.
     """),
     exercise_from(zero.ZeRO1),
     code("""
