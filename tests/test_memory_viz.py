@@ -149,6 +149,18 @@ def test_explorer_redraws_on_change_and_overlays_a_measurement():
         MemoryExplorer(colour="red")
 
 
+def test_explorer_fits_the_sequence_length_to_a_newly_chosen_model():
+    ex = MemoryExplorer(model="llama2-7b", world_size=8, seq_len=4096)
+    ex.controls["model"].value = "cpu"          # max_seq_len 128: the length follows
+    assert ex.controls["seq_len"].value == 128 and "note:" not in ex.explorer.last_text
+    ex.controls["seq_len"].value = 1024         # longer by hand: estimated, with a note
+    assert ex.settings()["seq_len"] == 1024
+    assert "seq len 1024 is past cpu's max_seq_len (128)" in ex.explorer.last_text
+    ex.controls["model"].value = "llama2-7b"    # long enough: nothing changes
+    assert ex.controls["seq_len"].value == 1024 and "note:" not in ex.explorer.last_text
+    plt.close("all")
+
+
 @pytest.mark.parametrize("strategy,qlora", [("fsdp2", False), ("fsdp1_full_shard", False), ("fsdp2", True)])
 def test_explorer_measures_a_bf16_fsdp_step_in_the_estimates_dtypes(strategy, qlora):
     # the hatched bars sit beside the estimate's: a bf16 model's shards and AdamW state are bf16 in

@@ -99,6 +99,8 @@ class MemoryExplorer:
             c[name].value = value
         self.controls = c
         self.measured: dict[tuple, object] = {}
+        # before the Explorer's own observers, so a model change draws once with a length it has
+        c["model"].observe(lambda change: self._fit_seq_len(change["new"]), names="value")
         self.explorer = Explorer(c, self._render, title="Memory explorer (estimated per-rank peak)")
         self.measure_button = widgets.Button(description="measure", icon="flask")
         self.measure_button.on_click(lambda _b: self.measure())
@@ -107,6 +109,15 @@ class MemoryExplorer:
 
     def settings(self) -> dict:
         return self.explorer.values()
+
+    def _fit_seq_len(self, model: str) -> None:
+        """Lower the sequence length to the longest choice ``model`` supports (its max_seq_len)
+        when a change of model leaves it longer; a longer one picked by hand stays, with a note."""
+        longest = CONFIGS[model].max_seq_len
+        seq_len = self.controls["seq_len"]
+        if seq_len.value > longest:
+            fitting = [n for n in seq_len.options if n <= longest]
+            seq_len.value = max(fitting) if fitting else min(seq_len.options)
 
     @staticmethod
     def _key(settings: dict) -> tuple:
@@ -147,6 +158,10 @@ class MemoryExplorer:
             plot_estimate_vs_measured(est, measured.peak, ax=ax, unit=unit, title=title)
         fig.tight_layout()
         text = est.table(unit)
+        longest = CONFIGS[s["model"]].max_seq_len
+        if s["seq_len"] > longest:
+            text += (f"\nnote: seq len {s['seq_len']} is past {s['model']}'s max_seq_len ({longest}): an estimate "
+                     "of what if; the model itself takes at most that, so measure refuses it")
         if measured is not None:
             text += f"\nmeasured peak (rank 0): {measured.peak_total / (2**20 if unit == 'MiB' else 2**30):.3f} {unit}"
         return fig, text

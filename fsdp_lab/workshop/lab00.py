@@ -140,9 +140,9 @@ def _expected_range(numel: int, rank: int, world: int) -> tuple[int, int]:
 CASES = [(10, 4), (12, 4), (7, 3), (5, 8), (1, 2), (64, 2), (1000, 7), (9, 1)]
 
 
-@checker("shard_range", hint="every rank gets per = ceil(numel / world) slots (the last ones "
-                              "may be padding): start = min(rank * per, numel), "
-                              "end = min(start + per, numel)")
+@checker("shard_range", hint="every rank gets ceil(numel / world) slots, the last ones maybe "
+                              "padding; rank r's slots start r times that far in; clip start and "
+                              "end to numel")
 def check_shard_range(shard_range):
     """Compare ``shard_range(numel, rank, world)`` with fsdp_lab's FSDP1 boundaries for
     several sizes, including ones that do not divide evenly and ranks holding only padding."""

@@ -41,6 +41,7 @@ CELLS = [
     fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab import collectives
     from fsdp_lab.dist import choose_backend
+    from fsdp_lab.viz import plot_collective
     from fsdp_lab.workshop import lab_files, lab00
 
     files = lab_files("00_start_here")   # labs/figures/00_start_here, from labs/ or labs/solutions/
@@ -106,7 +107,6 @@ CELLS = [
         print(f"rank {rank}: before {before.tolist()} -> after {after.tolist()}")
     """),
     code("""
-    from fsdp_lab.viz import plot_collective
     axes = plot_collective("all_reduce", [b for b, _ in out], [a for _, a in out])
     axes[0].figure.suptitle("all_reduce on 4 ranks: every rank ends with the sum")
     files.savefig(axes[0].figure, "all_reduce_4_ranks.png", dpi=100, bbox_inches="tight")
@@ -261,7 +261,7 @@ CELLS = [
         start = min(rank * per, numel)
         return start, min(start + per, numel)
         ### END SOLUTION
-        ### STUB raise NotImplementedError("per = ceil(numel / world); return (start, end) clipped to numel")
+        ### STUB raise NotImplementedError("return (start, end) of this rank's elements")
     """),
     code("""
     lab00.check_shard_range(shard_range)

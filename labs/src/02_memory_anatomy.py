@@ -369,7 +369,7 @@ CELLS = [
     Change the model, world size, strategy, dtypes, batch, sequence length, checkpointing, offload or QLoRA
     (GPUs/node sets the node that `fsdp1_hybrid_shard` shards within); the bars are the estimate for one rank. **measure** runs a real AdamW step and overlays it hatched,
     but only for a `cpu` model (pick one first: the explorer opens on Llama-2-7B, which it refuses as too
-    big) and not for CPU offload, `fsdp1_hybrid_shard`, another optimizer or another gradient dtype;
+    big; picking `cpu` also lowers the sequence length to its longest, 128) and not for CPU offload, `fsdp1_hybrid_shard`, another optimizer or another gradient dtype;
     it uses real ranks up to 4 and a simulated world beyond, and says in red next to the button what it
     refused. The static figure below is
     the same plot for Llama-2-7B with FSDP2 on 8 GPUs, with and without activation checkpointing.
