@@ -268,6 +268,10 @@ def test_failing_ranks_and_hangs_become_verdicts():
     assert stub.status == checking.NOT_SOLVED
     hang = check_ranks(LaunchTimeout("timed out", ["all_reduce #2 (16 B)", "all_gather #2 (32 B)"]))
     assert hang.mistake == "hang" and "rank 1: all_gather #2 (32 B)" in hang.message
+    # a rank returned before a collective its peer waited in: gloo closes the pair
+    left = check_ranks(LaunchError("rank 1 raised RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+                                   "Connection closed by peer [127.0.0.1]:41577", rank=1, traceback="x"))
+    assert left.mistake == "peer_left" and "did not call the same collectives" in left.message
 
 
 def test_error_line_leaves_out_the_failing_rank_and_gloo_s_addresses():
@@ -277,6 +281,9 @@ def test_error_line_leaves_out_the_failing_rank_and_gloo_s_addresses():
                          "Connection closed by peer [127.0.0.1]:41577", rank=1, traceback="x")
     assert checking.error_line(closed) == "RuntimeError: a collective failed: gloo lost its connection to another rank"
     assert checking.error_line(KeyError("w1")) == "KeyError: 'w1'"
+    size = LaunchError("rank 0 raised RuntimeError: ProcessGroupGloo::allgather: invalid tensor size at index 0 "
+                       "(expected (2, 5), got (10))", rank=0, traceback="x")
+    assert checking.error_line(size).endswith("invalid tensor size at index 0 (expected (2, 5), got (10))")
 
 
 # ----------------------------------------------------------------------------- files

@@ -39,6 +39,14 @@ def summed(local_grad, wire_dtype):
     return shard.float()
 
 
+def row_shaped(local_grad, wire_dtype):
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    shard = torch.empty(local_grad.numel() // world, dtype=wire_dtype)
+    collectives.reduce_scatter_tensor(shard, local_grad.to(wire_dtype))
+    return (shard.float() / world).view(1, -1)         # the right values as one row
+
+
 def fp32_wire(local_grad, wire_dtype):
     import torch.distributed as dist
     shard = torch.empty(local_grad.numel() // dist.get_world_size())
@@ -119,7 +127,7 @@ def divided_by_two(local_grad, wire_dtype):
 
 REDUCE_WRONG = {"added_to_local_shard": megatron_optim_bug, "not_averaged": summed, "wire_not_bf16": fp32_wire,
                 "returned_wire_dtype": wire_dtype_returned, "used_all_reduce": via_all_reduce,
-                "not_reduce_scatter": via_all_gather, "no_collective": local_only}
+                "not_reduce_scatter": via_all_gather, "no_collective": local_only, "wrong_shape": row_shaped}
 # the same mistakes made through torch.distributed's own functions, which the check records too
 DIRECT_WRONG = {"wire_not_bf16": torch_distributed_fp32_wire, "used_all_reduce": torch_distributed_all_reduce}
 # right on 2 ranks, wrong on lab06.OTHER_WORLD: the world size is written in
@@ -211,8 +219,37 @@ def multiplied(grads, scale):
     return bool(found.item())
 
 
+def one_all_reduce_per_shard(grads, scale):
+    found = torch.zeros(1)
+    for g in grads:                                    # right flags, one all-reduce per shard
+        flag = torch.tensor([0.0 if torch.isfinite(g).all() else 1.0])
+        collectives.all_reduce(flag, op="max")
+        found = torch.maximum(found, flag)
+        g.mul_(1.0 / scale)
+    return bool(found.item())
+
+
+def summed_flag_returned(grads, scale):
+    found = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))])
+    collectives.all_reduce(found)                      # a sum: 2.0 when both ranks overflow
+    for g in grads:
+        g.mul_(1.0 / scale)
+    return found                                       # the tensor, not True or False
+
+
+def returned_before_the_all_reduce(grads, scale):
+    for g in grads:
+        g.mul_(1.0 / scale)
+        if not torch.isfinite(g).all():
+            return True                                # the other rank waits in the all-reduce below
+    found = torch.zeros(1)
+    collectives.all_reduce(found, op="max")
+    return bool(found.item())
+
+
 SCALE_WRONG = {"local_only": local_only, "missed_nan": isinf_only, "not_unscaled": not_unscaled,
-               "one_shard_only": last_shard_only, "multiplied_by_scale": multiplied}
+               "one_shard_only": last_shard_only, "multiplied_by_scale": multiplied,
+               "several_collectives": one_all_reduce_per_shard, "not_a_bool": summed_flag_returned}
 
 
 @pytest.fixture(scope="module")
@@ -228,9 +265,16 @@ def test_unscale_and_check_verdicts(scale_launch, monkeypatch):
     assert lab06.check_unscale_and_check(stub).mistake == "stub"
     monkeypatch.setattr(lab06, "launch", scale_launch.launch)
     right = lab06.check_unscale_and_check(solution)
-    assert right.solved and "divided by 1024" in right.message
+    assert right.solved and "divided by 1024" in right.message and "One all-reduce of 4 bytes" in right.message
     for name, answer in SCALE_WRONG.items():
         assert lab06.check_unscale_and_check(answer).mistake == name, name
+
+
+def test_a_rank_that_returns_before_the_all_reduce_is_named():
+    # a real launch: rank 0 returns early while rank 1 waits in the all-reduce, and gloo closes the pair
+    verdict = lab06.check_unscale_and_check(returned_before_the_all_reduce)
+    assert verdict.mistake in ("peer_left", "hang"), verdict
+    assert "same collectives" in verdict.hint
 
 
 def test_policy_losses_header_names_the_last_step(capsys):

@@ -352,6 +352,11 @@ def _from_error(error: BaseException, explain) -> _Outcome:
     if "ellipsis" in summary.lower():
         return _Outcome(NOT_SOLVED, "a `...` placeholder is still in the code "
                                     f"({summary}); write your expression in its place")
+    if isinstance(error, LaunchError) and _lost_peer(str(error).strip().split("\n", 1)[0]):
+        return mistake("peer_left", "a rank's collective lost its peer: another rank had left (returned, or "
+                                    "raised) without calling it, so the ranks did not call the same collectives",
+                       "every rank must call the same collectives, in the same order, whatever its own data "
+                       "holds: decide after the collective, not before it")
     if isinstance(error, LaunchError):
         where = f"rank {error.rank} raised" if error.traceback else "a rank failed:"
     else:
@@ -372,7 +377,14 @@ def error_line(error: BaseException) -> str:
         line = line[len(prefix):] if line.startswith(prefix) else line
     else:
         line = f"{type(error).__name__}: {first[0]}" if first else type(error).__name__
-    if "gloo" in line or "Connection closed" in line:
+    if _lost_peer(line):
         kind = line.split(":", 1)[0] if ":" in line else "RuntimeError"
         return f"{kind}: a collective failed: gloo lost its connection to another rank"
     return line
+
+
+def _lost_peer(line: str) -> bool:
+    """Whether ``line`` is gloo's transport error (a peer's connection closed or reset), not one
+    of gloo's argument errors ("ProcessGroupGloo::allgather: invalid tensor size"), which say
+    what is wrong and stay as they are."""
+    return "gloo/transport" in line or "Connection closed" in line or "Connection reset" in line

@@ -23,7 +23,7 @@ import torch
 
 from fsdp_lab.launch import LaunchError, LaunchTimeout, launch
 from fsdp_lab.workshop.checking import (CHECK_TIMEOUT, checker, collective_calls, correct, error_line, is_placeholder,
-                                        mistake, placeholder_left)
+                                        mistake, not_waited, placeholder_left)
 from fsdp_lab.workshop.lab06_figures import (DTYPE_COLORS, MEMORY_COLUMNS, draw_gradient_life, draw_policy_run,
                                              dtype_name, plot_optim_mode_bug, plot_policies, print_optim_mode_bug,
                                              print_policy_losses, print_policy_memory, print_policy_ratios)
@@ -139,6 +139,13 @@ def check_reduce_grad_shard(reduce_grad_shard):
     if all(_close(res, mean_shards[(r + 1) % WORLD]) for r, res in enumerate(results)):
         return mistake("wrong_shard", "each rank holds another rank's shard of the mean",
                        hint="rank r's shard is elements r*k:(r+1)*k")
+    if any(res.shape != (k,) for res in results) and all(
+            res.numel() == k and _close(res.reshape(k), mean_shards[r]) for r, res in enumerate(results)):
+        shape = next(tuple(res.shape) for res in results if res.shape != (k,))
+        return mistake("wrong_shape", f"the values are the mean gradient's, but the shard has shape {shape}: "
+                                      f"a shard is 1-D, ({k},), the shape reduce_scatter_tensor's output has",
+                       hint="make the output torch.empty(local_grad.numel() // world, dtype=wire_dtype), "
+                            "and return it without a view")
     if not all(_close(res, mean_shards[r]) for r, res in enumerate(results)):
         return mistake("wrong_values", f"rank 0's shard {results[0].tolist()} differs from the mean "
                                        f"gradient's {mean_shards[0].tolist()}")
@@ -216,8 +223,10 @@ def _run_unscale(answer):
     out = {}
     for case in CASES:
         shards = rank_shards(rank, case)
-        found = answer(shards, SCALE)
-        out[case] = {"found": found, "shards": [s.clone() for s in shards]}
+        with collective_calls() as calls:
+            found = answer(shards, SCALE)
+        out[case] = {"found": found, "shards": [s.clone() for s in shards],
+                     "comm": [(c.name, c.bytes) for c in calls], "unwaited": calls.unwaited}
     return out
 
 
@@ -254,9 +263,19 @@ def check_unscale_and_check(unscale_and_check):
     out = launch(_run_unscale, unscale_and_check, world_size=WORLD, timeout=CHECK_TIMEOUT)
     if any(is_placeholder(o[c]["found"]) for o in out for c in CASES):
         return placeholder_left("unscale_and_check")
-    if any(not isinstance(o[c]["found"], (bool, int)) and not
-           (isinstance(o[c]["found"], torch.Tensor) and o[c]["found"].numel() == 1) for o in out for c in CASES):
-        return mistake("not_a_bool", f"return True or False, not {type(out[0]['no overflow']['found']).__name__}")
+    unwaited = not_waited([o[c]["unwaited"] for o in out for c in CASES])
+    if unwaited:
+        return unwaited
+    for o in out:
+        for case in CASES:
+            found = o[case]["found"]
+            found = found.item() if type(found).__module__ == "numpy" else found  # numpy's bool
+            if not isinstance(found, (bool, int)) or found not in (0, 1):
+                shown = (f"a tensor ({found.dtype}, {found.numel()} element{'s' * (found.numel() != 1)})"
+                         if isinstance(found, torch.Tensor) else repr(found))
+                return mistake("not_a_bool", f"with {case} your function returned {shown}: return True or "
+                                             "False, which the caller's `if` reads the same on every rank",
+                               hint="return bool(flag.item()) after the all-reduce (op='max' keeps it 0 or 1)")
     verdicts = {c: [bool(o[c]["found"]) for o in out] for c in CASES}
     references = {c: _reference(c) for c in CASES}
     for case, found in verdicts.items():
@@ -289,9 +308,17 @@ def check_unscale_and_check(unscale_and_check):
         if not all(_same_shards(o[case]["shards"], unscaled[r]) for r, o in enumerate(out)):
             return mistake("wrong_unscale", f"with {case} your shards differ from what GradScaler.unscale_ "
                                             "leaves (divide in place, also when an overflow was found)")
+    calls = out[0]["no overflow"]["comm"]
+    if len(calls) > 1:
+        used = ", ".join(f"{name} of {nbytes} B" for name, nbytes in calls)
+        return mistake("several_collectives", f"right flags, but {len(calls)} collectives per call ({used}): one "
+                                              "all-reduce of one flag for all the shards decides the step, and "
+                                              "every extra collective is one more wait per step",
+                       hint="raise one flag over every shard in a loop, then all-reduce it once (op='max')")
+    sent = f"one {calls[0][0].replace('_', '-')} of {calls[0][1]} bytes" if calls else "one collective"
     return correct(f"every rank skips the three steps with an overflow (an inf in either shard of either rank, "
                    f"a NaN) and steps the clean one, as torch.amp.GradScaler decides on the whole gradient; the shards are "
-                   f"divided by {SCALE:.0f}. One all-reduce of one element per step keeps the ranks agreeing")
+                   f"divided by {SCALE:.0f}. {sent[0].upper() + sent[1:]} per step keeps the ranks agreeing")
 
 
 # ----------------------------------------------------------------------------- the lab's training runs
