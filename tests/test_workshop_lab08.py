@@ -57,6 +57,10 @@ def test_nearest_code_checker():
     assert lab08.check_nearest_code(lambda v: torch.round((v + 1) / 2 * 15)).mistake == "float_codes"
     mirrored = lambda v: 15 - nearest_nf4_code(v)  # noqa: E731
     assert lab08.check_nearest_code(mirrored).mistake == "reversed"
+    flattened = lambda v: (v.reshape(-1, 1) > midpoints).sum(1).to(torch.uint8)  # noqa: E731
+    kept = lab08.check_nearest_code(flattened)
+    assert kept.mistake == "not_shape_kept" and "a (100, 100) input gave shape (10000,)" in kept.message
+    assert lab08.check_nearest_code(lambda v: torch.bucketize(v, midpoints).to(torch.uint8)).solved
 
 
 def formula(x, weight, lora_a, lora_b, alpha, rank):

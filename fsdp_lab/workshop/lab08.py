@@ -91,6 +91,19 @@ def check_nearest_code(nearest_code):
     got, want = got.long(), nearest_nf4_code(values).long()
     wrong = got != want
     if not wrong.any():
+        block = values[:10_000].reshape(100, 100)   # a weight is 2-D: the codes keep its shape
+        try:
+            square = nearest_code(block.clone())
+        except Exception as error:  # noqa: BLE001 - named in the verdict
+            square = error
+        if not (isinstance(square, torch.Tensor) and square.shape == block.shape
+                and torch.equal(square.long(), nearest_nf4_code(block).long())):
+            shown = (f"shape {tuple(square.shape)}" if isinstance(square, torch.Tensor)
+                     else f"{type(square).__name__}: {square}" if isinstance(square, Exception)
+                     else type(square).__name__)
+            return mistake("not_shape_kept", f"right for a 1-D input, but a (100, 100) input gave {shown}: "
+                                             "return one code per value, in the input's shape",
+                           "compare values.unsqueeze(-1) with the midpoints and sum over that last dimension")
         return correct(f"all {values.numel():,} values agree with fsdp_lab's lookup, the 15 midpoints "
                        "included: each value goes to its nearest normal quantile, so the 16 codes are dense "
                        "near 0, where most weights are")
