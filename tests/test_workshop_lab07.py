@@ -64,6 +64,14 @@ def test_backward_order_verdicts(table):
     assert lab07.check_backward_order(swapped, table).mistake == "pre_post_swapped"
     assert lab07.check_backward_order(prefetch_ignored, table).mistake == "wrong_pre"
     assert lab07.check_backward_order(as_text, table).mistake == "not_pairs"
+    after_rs = lab07.check_backward_order(post_after_reduce_scatter, table)
+    assert after_rs.mistake == "post_after_reduce_scatter", after_rs
+    assert "BACKWARD_POST" in after_rs.message
+
+
+def post_after_reduce_scatter(forward, prefetch):
+    # 'post' read as "after the reduce-scatter": the order of 'none'
+    return LAB07["backward_order"][1](forward, "none" if prefetch == "post" else prefetch)
 
 
 # ----------------------------------------------------------------------------- collectives per step
@@ -93,6 +101,25 @@ def test_collectives_per_step_verdicts(table):
     assert lab07.check_collectives_per_step(no_regather, table).mistake == "no_regather"
     assert lab07.check_collectives_per_step(root_twice, table).mistake == "root_regathered"
     assert lab07.check_collectives_per_step(reshard_ignored, table).mistake == "reshard_ignored"
+    per_rank = lab07.check_collectives_per_step(bytes_per_rank, table)
+    assert per_rank.mistake == "bytes_per_rank", per_rank
+    assert "1/2 of" in per_rank.message and "whole output" in per_rank.message
+    no_root = lab07.check_collectives_per_step(root_not_reduced, table)
+    assert no_root.mistake == "no_root_reduce_scatter", no_root
+    assert "root" in no_root.message
+
+
+def bytes_per_rank(root, units, reshard):
+    k, world = (2 if reshard else 1), 2
+    return {"all_gathers": 1 + k * len(units), "reduce_scatters": 1 + len(units),
+            "gathered_bytes": (root + k * sum(units)) // world,  # what one rank holds, not the output
+            "reduced_bytes": (root + sum(units)) // world}
+
+
+def root_not_reduced(root, units, reshard):
+    k = 2 if reshard else 1
+    return {"all_gathers": 1 + k * len(units), "reduce_scatters": len(units),  # the root's is missing
+            "gathered_bytes": root + k * sum(units), "reduced_bytes": sum(units)}
 
 
 # ----------------------------------------------------------------------------- overlap metric

@@ -113,8 +113,52 @@ def test_next_microbatch_checker():
     halving_above_min = lab09.check_next_microbatch(lambda b, f, m=1: f // 2 if f // 2 >= m else None)
     assert halving_above_min.mistake == "plain_halving" and "does not divide" in halving_above_min.message
     assert lab09.check_next_microbatch(lambda b, f, m=1: f).mistake == "no_step_down"
-    assert lab09.check_next_microbatch(falls_back_to_min).mistake == "min_instead_of_none"
     assert lab09.check_next_microbatch(divisor_of_failed).mistake == "divides_failed"
+
+
+def test_next_microbatch_names_the_rule_behind_every_case():
+    # each answer is classified over all cases, not from the first case it gets wrong
+    composer = lab09.check_next_microbatch(composer_halving)
+    assert composer.mistake == "plain_halving", composer
+    assert "do not divide the batch" in composer.message and "Composer" in composer.message
+    no_min = lab09.check_next_microbatch(ignores_min_size)
+    assert no_min.mistake == "ignores_min_size", no_min
+    assert "below min_size" in no_min.message and "Plain halving" not in no_min.message
+    to_min = lab09.check_next_microbatch(falls_back_to_min)
+    assert to_min.mistake == "min_instead_of_none", to_min
+    assert "return None" in to_min.message and "half of 2" in to_min.message
+    assert "from 1 down to" not in to_min.message  # the empty range, worded sensibly
+    below = lab09.check_next_microbatch(one_below_half)
+    assert below.mistake == "one_below_half", below
+    assert "half of" in below.message and "one below" in below.message
+    up = lab09.check_next_microbatch(rounds_half_up)
+    assert up.mistake == "rounds_half_up", up
+    assert "half of" in up.message and "rounds" in up.message
+
+
+def composer_halving(b, f, m=1):
+    return max(f // 2, m)  # Composer's halving, floored at min_size: need not divide the batch
+
+
+def ignores_min_size(b, f, m=1):
+    for d in range(f // 2, 0, -1):  # down to 1, not to min_size
+        if b % d == 0:
+            return d
+    return None
+
+
+def one_below_half(b, f, m=1):
+    for size in range(f // 2 - 1, m - 1, -1):  # starts one below half of the failed size
+        if b % size == 0:
+            return size
+    return None
+
+
+def rounds_half_up(b, f, m=1):
+    for size in range((f + 1) // 2, m - 1, -1):  # half of an odd failed size rounded up
+        if b % size == 0:
+            return size
+    return None
 
 
 def falls_back_to_min(b, f, m=1):

@@ -182,6 +182,15 @@ def check_backward_order(backward_order, table):
                        hint="'pre' = before the current block's gradient computation")
     for mode in ORDER_RUNS:
         if answers[mode] != recorded[mode]:
+            if mode == "post" and answers["post"] == recorded["none"]:
+                return mistake("post_after_reduce_scatter",
+                               "your 'post' issues the next block's all-gather after this block's reduce-scatter, "
+                               f"which is the order of 'none' ({_show(recorded['none'][:4])} ...). 'post' is FSDP1's "
+                               "BACKWARD_POST prefetch: in this block's post-backward, as soon as its gradients are "
+                               "computed (right after its bwd), FSDP frees it and issues the next block's all-gather, "
+                               f"then queues this block's reduce-scatter: {_show(recorded['post'][:4])} ...",
+                               hint="with 'post', append the next block's ('AG', b) between this block's 'bwd' and "
+                                    "its 'RS'")
             return mistake(f"wrong_{mode}", f"with prefetch '{mode}' you gave\n    {_show(answers[mode])}\n  "
                                             f"fsdp_lab's FSDP recorded\n    {_show(recorded[mode])}")
     return mistake("wrong_order", "the order differs from the recorded one")
@@ -211,6 +220,7 @@ def check_collectives_per_step(collectives_per_step, table):
 
     model = Llama("cpu", seed=0)
     keys = ("all_gathers", "reduce_scatters", "gathered_bytes", "reduced_bytes")
+    counts, sizes = keys[:2], keys[2:]
     lines = []
     for name, (wrapping, reshard) in COUNT_RUNS.items():
         root, units = unit_bytes(model, wrapping)
@@ -233,6 +243,29 @@ def check_collectives_per_step(collectives_per_step, table):
             if not reshard and got["all_gathers"] == 1 + 2 * n:
                 return mistake("reshard_ignored", f"{name}: with reshard_after_forward=False nothing is gathered "
                                                   "again for backward")
+            world = len(table.timelines[name].ranks())
+            if all(got[k] == measured[k] for k in counts) and all(got[k] * world == measured[k] for k in sizes):
+                return mistake("bytes_per_rank", f"{name}: your counts are right, but every byte count is 1/{world} "
+                                                 f"of the recorded ({got['gathered_bytes']:,} B gathered, FSDP "
+                                                 f"recorded {measured['gathered_bytes']:,} B): an all-gather's bytes "
+                                                 "count its whole output, the unit's full parameter bytes (as "
+                                                 "nccl-tests counts the gathered size), and a reduce-scatter's its "
+                                                 f"whole input, the unit's full gradient bytes, not one rank's "
+                                                 f"1/{world} shard",
+                               hint="gathered_bytes: the parameter bytes of every unit gathered, each time it is "
+                                    "gathered; reduced_bytes: root_bytes + sum(unit_bytes), with no division by the world size")
+            if (got["all_gathers"], got["gathered_bytes"]) == (measured["all_gathers"], measured["gathered_bytes"]) \
+                    and got["reduce_scatters"] == measured["reduce_scatters"] - 1 \
+                    and got["reduced_bytes"] == measured["reduced_bytes"] - root:
+                return mistake("no_root_reduce_scatter", f"{name}: you counted {got['reduce_scatters']} "
+                                                         f"reduce-scatters and {got['reduced_bytes']:,} B, FSDP "
+                                                         f"recorded {measured['reduce_scatters']} and "
+                                                         f"{measured['reduced_bytes']:,} B: the root's reduce-scatter "
+                                                         f"({root:,} B) is missing. The root is a unit too: it is "
+                                                         "not gathered again in backward, but its gradients "
+                                                         "(embeddings, final norm, output) are reduce-scattered "
+                                                         "once per step like every other unit's",
+                               hint="reduce_scatters: 1 + len(unit_bytes); reduced_bytes: root_bytes + sum(unit_bytes)")
             return mistake("wrong_count", f"{name}: you gave {got}, FSDP recorded {measured}")
         lines.append(f"{name}: {got['all_gathers']} AG / {got['reduce_scatters']} RS")
     return correct("your formula gives the counts and bytes fsdp_lab's FSDP2 recorded for every wrapping ("

@@ -6,8 +6,9 @@
   done), worked in this process, and ``fsdp_lab.oom``'s own two-element MAX all-reduce run
   beside the answer on the same ranks.
 * ``check_next_microbatch(next_microbatch)``: the step-down rule after an OOM. Reference:
-  ``AutoMicrobatch._largest_divisor`` (this package's rule), and Composer's plain halving to
-  name that mistake.
+  ``AutoMicrobatch._largest_divisor`` (this package's rule). The answer is classified over all its
+  cases against ``WRONG_RULES`` (Composer's plain halving, ignoring min_size, min_size instead of
+  None, starting one below half or rounding half up, ...), not from the first case it gets wrong.
 
 An agreement that calls ``torch.distributed``'s collectives directly is counted too: the Timeline
 records ``fsdp_lab.collectives``, and ``checking.collective_calls`` adds the rest.
@@ -125,12 +126,55 @@ def _reference(batch_size: int, failed: int, min_size: int):
     return AutoMicrobatch._largest_divisor(batch_size, failed // 2, min_size)
 
 
+def _largest_divisor(batch_size: int, at_most: int, at_least: int):
+    from fsdp_lab.automicrobatch import AutoMicrobatch
+    return AutoMicrobatch._largest_divisor(batch_size, at_most, at_least)
+
+
+# The wrong rules learners write, each (batch, failed, min_size) -> size. An answer that gives a rule's
+# size on every case where that rule differs from the reference makes that rule's mistake.
+
+def _no_step_down(b, f, m):
+    return f
+
+
+def _divides_failed(b, f, m):      # the step-down over the divisors of the failed size
+    return _reference(f, f, m)
+
+
+def _halving(b, f, m):             # Composer's halving wherever min_size allows it: need not divide the batch
+    return f // 2 if f // 2 >= m else _reference(b, f, m)
+
+
+def _ignores_min(b, f, m):         # counts down to 1
+    return _reference(b, f, 1)
+
+
+def _min_instead_of_none(b, f, m):
+    right = _reference(b, f, m)
+    return m if right is None else right
+
+
+def _one_below_half(b, f, m):      # range(failed // 2 - 1, ...)
+    return _largest_divisor(b, f // 2 - 1, m)
+
+
+def _rounds_half_up(b, f, m):      # range((failed + 1) // 2, ...)
+    return _largest_divisor(b, (f + 1) // 2, m)
+
+
+WRONG_RULES = {"no_step_down": _no_step_down, "divides_failed": _divides_failed, "plain_halving": _halving,
+               "ignores_min_size": _ignores_min, "min_instead_of_none": _min_instead_of_none,
+               "one_below_half": _one_below_half, "rounds_half_up": _rounds_half_up}
+
+
 @checker("next_microbatch", hint="count down from failed // 2 to min_size; return the first size that "
                                  "divides batch_size, or None")
 def check_next_microbatch(next_microbatch):
     """Compare ``next_microbatch(batch_size, failed, min_size)`` with ``AutoMicrobatch``'s rule (the
     largest divisor of the batch at most half the failed size and at least ``min_size``, else
-    None) for every batch 1-24, failed size 1 to the batch and minimum 1-3; name the usual mistakes."""
+    None) for every batch 1-24, failed size 1 to the batch and minimum 1-3; name the wrong rule
+    that explains every case (``WRONG_RULES``), else what the wrong sizes have in common."""
     cases = [(b, f, m) for b in range(1, 25) for f in range(1, b + 1) for m in (1, 2, 3)]
     cases.sort(key=lambda c: c[1] == 1)  # failed = 1 last: there every rule's answer looks alike
     answers, case = {}, cases[0]
@@ -146,39 +190,100 @@ def check_next_microbatch(next_microbatch):
     wants = {case: _reference(*case) for case in cases}
     wrong = [(case, answers[case], wants[case]) for case in cases if answers[case] != wants[case]]
     if wrong:
-        (b, f, m), got, want = wrong[0]
-        # the same step-down, but over the divisors of the failed size instead of the batch's
-        if all(answer == _reference(failed, failed, least) for (_, failed, least), answer in answers.items()):
-            return mistake("divides_failed", f"batch {b}, failed microbatch {f}, min {m}: got {got}, a divisor "
-                                             f"of the failed size {f}; a microbatch must divide the batch {b} "
-                                             f"(want {want})")
-        return _microbatch_mistake(b, f, m, got, want)
+        for name, rule in WRONG_RULES.items():
+            differs = [case for case in cases if rule(*case) != wants[case]]
+            if differs and all(answers[case] == rule(*case) for case in differs):
+                return _rule_mistake(name, [(case, answers[case], wants[case]) for case in differs], wrong)
+        return _microbatch_mistake(wrong)
     return correct(f"{len(cases)} cases (batch sizes 1-{max(b for b, _, _ in cases)}, every failed size, "
                    f"min_size 1-3) agree with AutoMicrobatch's rule: every microbatch divides the batch, "
                    "so each step still sums the same samples with the same weights")
 
 
-def _microbatch_mistake(b: int, f: int, m: int, got, want):
-    """Name the mistake behind one wrong ``next_microbatch(b, f, m)``: ``got`` against ``want``."""
-    where = f"batch {b}, failed microbatch {f}, min {m}"
-    if got == m and want is None:
-        return mistake("min_instead_of_none", f"{where}: got {got}, but no size from {f // 2} down to "
-                                              f"min_size {m} divides the batch: return None (the caller "
-                                              "then gives up), not min_size")
-    if got == f and f > 1:
-        return mistake("no_step_down", f"{where}: got {got}, the size that just failed; want {want}")
-    if got == max(f // 2, 1):   # halving's answer, wrong here for one of three reasons
-        if b % got:
-            why = f"{got} does not divide the batch {b}"
-        elif got < m:
-            why = f"{got} is below min_size {m}"
+def _where(case, got) -> str:
+    b, f, m = case
+    return f"batch {b}, failed microbatch {f}, min {m}: got {got}"
+
+
+def _divides(b: int, size) -> bool:
+    return isinstance(size, int) and size >= 1 and b % size == 0
+
+
+def _rule_mistake(name: str, differs: list, wrong: list):
+    """The verdict for an answer that follows the wrong rule ``name`` on every case where that rule
+    differs from the reference (``differs``: (case, got, want)); ``wrong``: every wrong case."""
+    (b, f, m), got, want = differs[0]
+    where = _where((b, f, m), got)
+    if name == "no_step_down":
+        return mistake(name, f"returns the size that just failed: {where}; want {want}")
+    if name == "divides_failed":
+        return mistake(name, f"{where}, a divisor of the failed size {f}; a microbatch must divide the batch "
+                             f"{b} (want {want})")
+    if name == "plain_halving":
+        also = []
+        below = next(((c, g) for c, g, _ in wrong if isinstance(g, int) and g < c[2]), None)
+        if below:
+            also.append(f"sizes below min_size ({_where(*below)}, below min_size {below[0][2]})")
+        to_min = next(((c, g) for c, g, w in wrong if g == c[2] and w is None), None)
+        if to_min:
+            also.append(f"min_size where no size fits ({_where(*to_min)}; want None)")
+        stuck = next(((c, g) for c, g, w in wrong
+                      if isinstance(g, int) and g >= c[1] and not (g == c[2] and w is None)), None)
+        if stuck:
+            also.append(f"sizes no smaller than the one that failed ({_where(*stuck)}, where nothing is "
+                        "left to try: None)")
+        return mistake(name, f"returns sizes that do not divide the batch (Composer's halving): {where}, "
+                             f"which does not divide the batch {b}; want {want}. Plain halving is Composer's "
+                             "rule; here each microbatch's loss is weighted by its share, so every microbatch "
+                             "must divide the batch" + (f". It also returns {' and '.join(also)}" if also else ""))
+    if name == "ignores_min_size":
+        return mistake(name, f"ignores min_size: {where}, below min_size {m}; want {want}: count down to "
+                             "min_size, not to 1, and return None when none of those sizes divides the batch",
+                       hint="for size in range(failed // 2, min_size - 1, -1)")
+    if name == "min_instead_of_none":
+        if f // 2 >= m:
+            none_fits = f"no size from {f // 2} (half of {f}) down to min_size {m} divides the batch {b}"
         else:
-            why = f"{got} is no smaller than the size that failed, so nothing is left to try (None)"
-        return mistake("plain_halving", f"{where}: got {got}, want {want}. Plain halving is Composer's "
-                                        f"rule; here {why}")
-    if got is not None and got < m:
-        return mistake("below_min", f"{where}: got {got}, below min_size {m}; want {want}")
-    return mistake("wrong", f"{where}: got {got}, want {want}")
+            none_fits = f"no size is both at least min_size {m} and at most half of {f} ({f // 2})"
+        return mistake(name, f"returns min_size where no size fits: {where}, but {none_fits}: return None "
+                             "(the caller then gives up), not min_size")
+    if name == "one_below_half":
+        return mistake(name, f"starts one below half of failed: {where}, want {want}; {f // 2} (half of {f}) "
+                             "is itself allowed: count down from failed // 2, not failed // 2 - 1")
+    return mistake(name, f"rounds half of failed up: {where}, above half of {f} ({f / 2:g}); want {want}: "
+                         "failed // 2 rounds down, so the next size is at most half the one that failed")
+
+
+def _microbatch_mistake(wrong: list):
+    """Name what the wrong sizes ``wrong`` ((case, got, want), in case order) have in common when
+    no single wrong rule explains them; quote the first of them."""
+    def first(test):
+        return next(((c, g, w) for c, g, w in wrong if test(c, g)), None)
+
+    found = first(lambda c, g: g is not None and not isinstance(g, int))
+    if found:
+        return mistake("not_an_int", f"{_where(*found[:2])} ({type(found[1]).__name__}); a microbatch size is an "
+                                     f"int (or None when no size fits); want {found[2]}",
+                       hint="count down with range(failed // 2, min_size - 1, -1): its sizes are ints")
+    found = first(lambda c, g: g is not None and not _divides(c[0], g))
+    if found:
+        (b, _, _), got, want = found
+        return mistake("not_a_divisor", f"{_where(*found[:2])}, which does not divide the batch {b}; want {want}")
+    found = first(lambda c, g: g is not None and g > c[1] // 2)
+    if found:
+        (_, f, _), _, want = found
+        return mistake("above_half", f"{_where(*found[:2])}, above half of the failed size {f}; want {want}")
+    found = first(lambda c, g: g is not None and g < c[2])
+    if found:
+        (_, _, m), _, want = found
+        return mistake("below_min", f"{_where(*found[:2])}, below min_size {m}; want {want}")
+    found = first(lambda c, g: g is None)
+    if found:
+        (_, f, m), _, want = found
+        return mistake("none_when_one_fits", f"{_where(*found[:2])}, but {want} divides the batch and lies "
+                                             f"between min_size {m} and half of {f}; want {want}")
+    (case, got, want) = wrong[0]
+    return mistake("wrong", f"{_where(case, got)}, want {want}")
 
 
 # ----------------------------------------------------------------------------- the lab's measurements
