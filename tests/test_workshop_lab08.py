@@ -102,6 +102,17 @@ def test_lora_case_reference_matches_the_formula():
     assert torch.allclose(grad_a, a.grad, atol=1e-5) and torch.allclose(grad_b, b.grad, atol=1e-5)
 
 
+def test_the_7b_figure_gathers_nothing_on_one_rank():
+    import matplotlib.pyplot as plt
+    states = {"quantized": 3 * 2**30, "sharded_params": 2**30}
+    _, two = lab08.draw_7b_states(states, 99.6 * 2**20, 386.0 * 2**20, world_size=2)
+    assert two.endswith("all-gather 99.6 MiB vs 386.0 MiB in bf16") and "4.128 bits/weight" in two
+    fig, one = lab08.draw_7b_states(states, 99.6 * 2**20, 386.0 * 2**20, world_size=1)
+    assert "all-gather" not in one and "one rank gathers nothing (a block: 99.6 MiB vs 386.0 MiB in bf16)" in one
+    assert fig.axes[1].get_title() == "one block (1 rank: no all-gather)"
+    plt.close("all")
+
+
 def test_bitsandbytes_buffers_by_hand(capsys):
     from fsdp_lab.models.llama import LlamaConfig
     lab08.print_bitsandbytes_buffers(LlamaConfig.from_name("llama2-7b"))

@@ -410,11 +410,14 @@ def draw_7b_states(per_rank: dict, block_nf4: float, block_bf16: float, world_si
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     plot_breakdown({f"{world_size} ranks": per_rank}, ax=axes[0], unit="GiB", title="Llama-2-7B per rank (bf16)")
     axes[1].bar(["NF4", "bf16"], [block_nf4 / 2**20, block_bf16 / 2**20], color=["tab:purple", "tab:gray"])
-    axes[1].set_ylabel("MiB per block all-gather"); axes[1].set_title("one block's all-gather")
+    gathered = world_size > 1   # one rank holds every block whole: nothing is gathered
+    axes[1].set_ylabel("MiB per block all-gather" if gathered else "MiB per block")
+    axes[1].set_title("one block's all-gather" if gathered else "one block (1 rank: no all-gather)")
     fig.tight_layout()
     bits = 8 * block_nf4 / (block_bf16 / 2)
+    sizes = f"{block_nf4 / 2**20:.1f} MiB vs {block_bf16 / 2**20:.1f} MiB in bf16"
     return fig, (f"{bits:.3f} bits/weight; model states {sum(per_rank.values()) / 2**30:.2f} GiB per rank; "
-                 f"all-gather {block_nf4 / 2**20:.1f} MiB vs {block_bf16 / 2**20:.1f} MiB in bf16")
+                 + (f"all-gather {sizes}" if gathered else f"one rank gathers nothing (a block: {sizes})"))
 
 
 def print_adapters_against_frozen(model_states, world_size: int = 2) -> None:

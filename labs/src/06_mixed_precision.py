@@ -45,6 +45,7 @@ CELLS = [
 
     files = lab_files("06_mixed_precision")   # labs/figures/06_mixed_precision, from labs/ or labs/solutions/
     BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+    short = lambda d: str(d).replace("torch.", "")   # a dtype's name: "bfloat16" for torch.bfloat16
     print(f"torch {torch.__version__} | device: {fsdp_lab.current_device()} | cores: {os.cpu_count()}")
     """, tags=["nbval-ignore-output"]),
     md("""
@@ -55,7 +56,6 @@ CELLS = [
     are the rest after the sign bit, and a normal number has one more bit of precision, the implicit 1.
     """),
     code("""
-    short = lambda d: str(d).replace("torch.", "")
     print(f"{'dtype':>9} {'bytes':>5} {'fraction bits':>13} {'exponent bits':>13} {'eps (1 ulp at 1.0)':>19} {'smallest normal':>15} {'max':>12}")
     for dtype in (torch.float64, FP32, BF16, FP16):
         info = torch.finfo(dtype)
@@ -109,13 +109,13 @@ CELLS = [
     | `main_grads_dtype` | accumulation across microbatches | float32 |
     | `grad_comm_dtype` | the wire: reduce-scatter / all-reduce | `reduce_dtype`, else `param_dtype`, else own |
 
-    `None` means something else in Megatron-FSDP (`main_grads_dtype=None`: the compute dtype;
-    `grad_comm_dtype=None`: the model's own gradient dtype); here it means PyTorch FSDP2's behaviour up to
-    torch 2.14, for both FSDPs: gradients kept without sync accumulate in `reduce_dtype` (PyTorch's FSDP1
-    keeps them in `param_dtype` instead; `fsdp_lab`'s FSDP1 follows the FSDP2 rule) (torch 2.15's `fully_shard` with no `reduce_dtype` reduces in
-    the parameter's own dtype, not `param_dtype`; `fsdp_lab` keeps the older rule on every torch, so
-    this lab's figures do not depend on the release: name `reduce_dtype` to get the same wire from
-    both). Megatron-LM's
+    `None` means something else in Megatron-FSDP: there `main_grads_dtype=None` is the compute dtype and
+    `grad_comm_dtype=None` the model's own gradient dtype. Here `None` follows PyTorch's FSDP2 up to
+    torch 2.14, under both FSDPs: gradients kept without sync accumulate in `reduce_dtype`. (PyTorch's FSDP1
+    keeps them in `param_dtype` instead; `fsdp_lab`'s FSDP1 follows the FSDP2 rule.) Since torch 2.15,
+    `fully_shard` with no `reduce_dtype` reduces in the parameter's own dtype rather than `param_dtype`;
+    `fsdp_lab` keeps the older rule on every torch release, so this lab's figures do not depend on the
+    release. Name `reduce_dtype` to get the same wire from both. Megatron-LM's
     `megatron_fsdp/mp_policy.py` also defaults `grad_comm_dtype` to bf16 and adds `grad_accum_dtype`, the
     dtype the reduction itself runs in, which this lab cannot offer (below). The helpers in
     `fsdp_lab.precision` resolve the four for a parameter of a given dtype:

@@ -151,9 +151,10 @@ CELLS = [
     values. Inductor writes C++, so compiling needs a C++ compiler and Python's headers (`fsdp-lab doctor`
     says whether they are here); without them these two cells say what is missing and time the eager forms
     only (and `pytest --nbval` skips them, since they print less). The cell below prints the ratios
-    `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). The eager gather
-    form `fsdp_lab` uses (one lookup, one multiply) needs no compiler; both cells give its time as a multiple
-    of the compiled one's.
+    `benchmarks/nf4_compile.py` recorded; the next times this lab's weight (not compared). Both give each
+    eager form's time as a multiple of the compiled one's. What compiling saves is the element-wise form's
+    kernels and temporaries; the eager gather form `fsdp_lab` uses (one lookup, one multiply) has few to
+    save, and needs no compiler: set its ratio beside the element-wise form's.
     """),
     code("""
     from fsdp_lab.qlora.nf4 import dequantize_nf4_blocks, dequantize_nf4_blocks_fused
