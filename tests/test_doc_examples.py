@@ -1,5 +1,6 @@
 """The whole scripts in docs/fsdp1.md, docs/fsdp2.md and docs/huggingface.md run as printed, and
-each gives one process's loss on the same data (the script's first step, before any update)."""
+each gives one process's losses on the same data: every step of the FSDP scripts (so the updates
+count too), the first step of the Hugging Face one."""
 
 import ast
 import re
@@ -21,7 +22,7 @@ def _first_script(doc: str) -> str:
     return blocks[0]
 
 
-def _run(doc: str) -> list[float]:
+def _run(doc: str) -> list:
     run = subprocess.run([sys.executable, "-"], input=_first_script(doc), capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -32,9 +33,16 @@ def _run(doc: str) -> list[float]:
 
 @pytest.mark.parametrize("doc", ["fsdp1.md", "fsdp2.md"])
 def test_the_fsdp_doc_s_script_matches_one_process(doc):
-    losses = _run(doc)
-    expected = Llama("cpu")(global_batch(512, 4, 16)).loss.item()  # both ranks hold 2 x 16 tokens
-    assert abs(sum(losses) / 2 - expected) < 1e-5, (losses, expected)
+    per_rank = _run(doc)
+    model = Llama("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expected = []
+    for step in range(3):  # the whole batch in one process: both ranks' 2 x 16 tokens
+        loss = model(global_batch(512, 4, 16, step=step)).loss
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        expected.append(loss.item())
+    got = [sum(step) / 2 for step in zip(*per_rank)]
+    assert len(got) == 3 and all(abs(g - e) < 1e-5 for g, e in zip(got, expected)), (per_rank, expected)
 
 
 def test_the_hugging_face_doc_s_qlora_script_matches_one_process():
