@@ -271,6 +271,22 @@ def test_fsdp1_gradients_are_whole_flat_units(fsdp_results, strategy):
     assert est.phases["backward"]["unsharded_grads"] == 4 * (root + block)
 
 
+def test_fsdp2_backward_phase_by_hand():
+    """The estimate's FSDP2 backward (the last block's) worked by hand, CPU Llama in float32: the
+    root stays gathered, this block and the prefetched next one are gathered; the head's full
+    gradient (output and final norm) waits for the root's reduce-scatter, beside this block's full
+    gradient and its reduce-scatter input (one block in comm buffers)."""
+    root = 2 * 512 * 128 + 128
+    block = 2 * 128 * 128 + 2 * 64 * 128 + 3 * 352 * 128 + 2 * 128
+    head = 512 * 128 + 128
+    backward = estimate("cpu", world_size=2, strategy="fsdp2", batch_size=2, seq_len=64).phases["backward"]
+    assert backward["unsharded_params"] == 4 * (root + 2 * block)
+    assert backward["unsharded_grads"] == 4 * (head + block)
+    assert backward["comm_buffers"] == 4 * block
+    kept = estimate("cpu", world_size=2, strategy="fsdp2", batch_size=2, seq_len=64, reshard_after_forward=False)
+    assert kept.phases["backward"]["unsharded_params"] == 4 * (root + 4 * block)  # all four blocks, kept
+
+
 def test_fsdp_shards_are_half_on_two_ranks():
     """Independent of the estimator: each rank of 2 holds ceil(rows/2) rows of every parameter."""
     cfg = LlamaConfig.from_name("cpu")
