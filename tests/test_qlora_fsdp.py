@@ -203,6 +203,11 @@ def _fsdp1_checkpoint(rank, world):
     saved_model(batch.input_ids, batch.labels).loss.backward()
     opt.step()
     out["step_after_refusal"] = saved_model(batch.input_ids, batch.labels).loss.item()
+    # the same step on the loaded copy, which holds the same weights and was never refused
+    never = torch.optim.AdamW([p for p in loaded_model.parameters() if p.requires_grad], lr=LR, eps=EPS)
+    loaded_model(batch.input_ids, batch.labels).loss.backward()
+    never.step()
+    out["step_never_refused"] = loaded_model(batch.input_ids, batch.labels).loss.item()
     return out
 
 
@@ -445,6 +450,7 @@ def test_refused_fsdp1_full_state_dict_leaves_the_model_trainable(ranks):
         assert "refuses to be gathered" in run["full_refused"]
         assert run["shapes_kept"] is True
         assert math.isfinite(run["step_after_refusal"])
+        assert run["step_after_refusal"] == run["step_never_refused"]
 
 
 def test_fsdp1_mixed_precision_leaves_nf4_bytes_alone(ranks, reference):
