@@ -22,6 +22,9 @@ from _fsdp2_models import (GLOBAL_BATCH, SEQ, Uneven, _config, _freeze, _quantiz
                            _train, _train_quantized, _train_step_by_step)
 
 
+CLIP_MAX_NORM = 1.0  # below the test model's gradient norm after one step (about 3.5): clip_grad_norm_ scales
+
+
 # -- what every rank runs ------------------------------------------------------------------------
 # Each part returns a dict of results. A part that raises leaves its traceback under
 # "failed_parts" and the others still run, so one crash fails only the tests that read its keys
@@ -209,8 +212,10 @@ def _part_dcp():
     out = {"dcp_max_diff": max((model.state_dict()[k].to_local() - v).abs().max().item() for k, v in saved.items()),
            "dcp_checkpoint_left": rank == 0 and pathlib.Path(path[0]).exists()}
     batch = shard_batch(global_batch(512, GLOBAL_BATCH, SEQ, step=99), rank, world)
-    out["clip_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).full_tensor().item() \
-        if _backward(model, batch) else None
+    _backward(model, batch)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_MAX_NORM)  # a DTensor: the global norm
+    out["clip"] = {"norm": norm.full_tensor().item(),
+                   "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}}  # clipped
     return out
 
 

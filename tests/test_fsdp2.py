@@ -16,10 +16,11 @@ import torch
 import torch.nn as nn
 
 import fsdp_lab
+from fsdp_lab.models.data import global_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig
 
-from _fsdp2_models import CONFIG, STEPS, EnergyLlama, Uneven, _config, _freeze, _plain_quantized_model, _train, _train_quantized
-from _fsdp2_parts import _rank_suite
+from _fsdp2_models import CONFIG, GLOBAL_BATCH, SEQ, STEPS, EnergyLlama, Uneven, _config, _freeze, _plain_quantized_model, _train, _train_quantized
+from _fsdp2_parts import CLIP_MAX_NORM, _rank_suite
 from _torch_reference import needs_torch_fsdp2_on_cpu
 
 WORLD_SIZES = (1, 2, 4)
@@ -178,8 +179,20 @@ def test_checkpoint_round_trip_bit_exact(suite):
 
 
 def test_clip_grad_norm_on_dtensors(suite):
+    # the ranks: one step of training, the DCP round trip, a backward on step 99's batch, then
+    # clip_grad_norm_ of the DTensor parameters; here: the same on one process, whole batch
     _, results = suite
-    assert results[0]["clip_norm"] is not None and results[0]["clip_norm"] > 0
+    model = Llama(_config(), seed=0)
+    _train(model, 0, 1, steps=1)
+    batch = global_batch(512, GLOBAL_BATCH, SEQ, step=99)
+    model(batch.input_ids, batch.labels).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_MAX_NORM).item()
+    assert norm > 2 * CLIP_MAX_NORM  # so the gradients were really scaled down
+    clip = results[0]["clip"]
+    assert clip["norm"] == pytest.approx(norm, rel=1e-5)
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    assert clip["grads"].keys() == expected.keys()
+    assert _max_diff(clip["grads"], expected) <= TOL
 
 
 # -- 2-rank checks -----------------------------------------------------------------------------

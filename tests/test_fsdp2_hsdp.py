@@ -9,6 +9,8 @@ PyTorch's run and single-process training on the same global batches (a QLoRA mo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -43,6 +45,33 @@ def _train(model, rank, world):
     return losses
 
 
+@contextlib.contextmanager
+def _groups_used():
+    """{(collective, ranks of its group)} of fsdp_lab's all-gathers, reduce-scatters and all-reduces
+    (the module attributes fsdp_lab.fsdp2 calls) inside the block."""
+    import torch.distributed as dist
+
+    from fsdp_lab import collectives
+
+    seen = set()
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+    originals = {name: getattr(collectives, name) for name in names}
+
+    def recording(name):
+        def call(*args, group=None, **kwargs):
+            seen.add((name, tuple(dist.get_process_group_ranks(group or dist.group.WORLD))))
+            return originals[name](*args, group=group, **kwargs)
+        return call
+
+    for name in names:
+        setattr(collectives, name, recording(name))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(collectives, name, original)
+
+
 def _rank():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -62,7 +91,7 @@ def _rank():
         for layer in model.layers:
             shard(layer, mesh=mesh)
         shard(model, mesh=mesh)
-        with Timeline() as tl:
+        with Timeline() as tl, _groups_used() as groups:
             losses = _train(model, rank, world)
         param = model.layers[0].attention.wq.weight
         if name == "torch":
@@ -71,7 +100,8 @@ def _rank():
             full = get_full_state_dict(model, rank0_only=False)
         out[name] = {"losses": losses, "full": full, "placements": [str(p) for p in param.placements],
                      "local_rows": param.to_local().shape[0],
-                     "comms": sorted({(e.name, e.args.get("group_size")) for e in tl.comm_events(rank)})}
+                     "comms": sorted({(e.name, e.args.get("group_size")) for e in tl.comm_events(rank)}),
+                     "group_ranks": sorted(groups)}
     return out
 
 
@@ -116,9 +146,18 @@ def test_hsdp_matches_one_process(ranks):
 
 
 def test_hsdp_gathers_within_the_shard_group_and_all_reduces_across_replicas(ranks):
-    for r in ranks:
-        names = {name for name, _ in r["ours"]["comms"]}
-        assert {"all_gather", "reduce_scatter", "all_reduce"} <= names, r["ours"]["comms"]
+    # init_device_mesh("cpu", (REPLICAS, SHARDS)) lays ranks out row-major: rank r sits at
+    # (r // SHARDS, r % SHARDS). Its shard group is its row, its replica group its column.
+    for rank, r in enumerate(ranks):
+        row, column = divmod(rank, SHARDS)
+        shard_group = tuple(row * SHARDS + j for j in range(SHARDS))
+        replica_group = tuple(i * SHARDS + column for i in range(REPLICAS))
+        for name in ("ours", "ours qlora"):
+            assert r[name]["comms"] == [("all_gather", SHARDS), ("all_reduce", REPLICAS),
+                                        ("reduce_scatter", SHARDS)], (name, r[name]["comms"])
+            assert r[name]["group_ranks"] == [("all_gather_into_tensor", shard_group),
+                                              ("all_reduce", replica_group),
+                                              ("reduce_scatter_tensor", shard_group)], (name, r[name]["group_ranks"])
 
 
 def test_qlora_under_hsdp_matches_one_process(ranks):

@@ -223,9 +223,12 @@ class _FSDPState:
             return
         sync_points.fire("post_backward", self.group.name)
         self.training_state = TrainingState.BACKWARD_POST
+        # at most one reduce-scatter in flight: the previous group's is waited on (its input
+        # buffer freed) before this group's is issued, as PyTorch's default
+        # reduce_scatter_max_input_buffers=1 does
+        self.root.finish_pending_reduce()
         reduce = self.group.reduce_grads()
         if reduce is not None:
-            self.root.finish_pending_reduce()  # keep at most one reduce-scatter in flight
             self.root.pending_reduce = reduce
         if self.group.reshard_after_backward:
             self.group.reshard()
