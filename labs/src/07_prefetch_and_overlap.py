@@ -194,16 +194,21 @@ CELLS = [
         row = table.row(name)
         mib = row["peak_unsharded_mib"]
         print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f} {row['peak_comm_mib']:22.3f} {row['peak_total_mib']:15.3f}")
-    extra = table.row("fsdp2 block")["peak_comm_mib"] - table.row("fsdp2 block no-prefetch")["peak_comm_mib"]
-    print(f"fsdp2's prefetch holds {extra / block_mib:.1f} block(s) more in comm buffers at the peak than no prefetch")
+    with_prefetch, without = table.row("fsdp2 block"), table.row("fsdp2 block no-prefetch")
+    print(f"fsdp2's prefetch against none: comm-buffer maximum "
+          f"{(with_prefetch['peak_comm_mib'] - without['peak_comm_mib']) / block_mib:+.1f} block(s), "
+          f"peak total {with_prefetch['peak_total_mib'] - without['peak_total_mib']:+.3f} MiB")
     """),
     md("""
     `BACKWARD_PRE` holds two blocks at its peak (this one and the prefetched next one); `BACKWARD_POST` and
     `None` one each, `BACKWARD_POST` because it frees this block before gathering the next. FSDP2's prefetched
     all-gather lands in its comm buffer (`comm_buffers`) and becomes `unsharded_params` only when waited for,
-    so its cost shows in the comm-buffer column (compare `fsdp2 block` with `fsdp2 block no-prefetch`, the
-    last line) and in the peak total beside it — and in the synchronous run above, which waits for the
-    prefetch at once: two blocks of `unsharded_params`. Keeping everything gathered
+    so the next block's buffers are held through the whole backward of this one. The last line compares
+    `fsdp2 block` with `fsdp2 block no-prefetch`: the comm-buffer column's maximum need not move (without
+    prefetch, each block's own all-gather holds the same buffers for a moment, beside the previous block's
+    reduce-scatter), but the peak total does, because with prefetch they are held while this block's
+    gradients are alive too. The synchronous run above waits for the prefetch at once: two blocks of
+    `unsharded_params`. Keeping everything gathered
     (`reshard_after_forward=False`) holds every block but saves one all-gather per block per step.
 
     ## 5. Exercise: the backward order of each prefetch setting
