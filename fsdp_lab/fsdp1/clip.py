@@ -21,7 +21,10 @@ __all__ = ["clip_grad_norm"]
 def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient of ``model`` so the global ``norm_type``-norm is at most ``max_norm``.
 
-    Returns the total norm before clipping (a float32 tensor, the same on every rank).
+    Returns the total norm before clipping (a float32 tensor): the same on every rank, except that
+    with ignored modules (gradients not reduced, so they differ between ranks) a finite norm adds
+    this rank's own part of them, as PyTorch's FSDP1 does; the infinity norm takes the maximum
+    over every rank's parts, so the ranks still agree.
     """
     norm_type = float(norm_type)
     inf = norm_type == float("inf")
@@ -38,12 +41,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) ->
                                 for g in grads]).max().to(device)
         return sum(g.float().norm(norm_type) ** norm_type for g in grads).to(device)
 
-    total = local(sharded)
     group = units[0].shard_group if units else None
-    if group is not None:
-        collectives.all_reduce(total, op="max" if inf else "sum", group=group)
-    other = local(replicated)
-    total = torch.maximum(total, other) if inf else (total + other) ** (1.0 / norm_type)
+    if inf:  # a maximum counts nothing twice: every rank's ignored gradients take part too
+        total = torch.maximum(local(sharded), local(replicated))
+        if group is not None:
+            collectives.all_reduce(total, op="max", group=group)
+    else:  # summing every rank's ignored part would count the same parameters once per rank
+        total = local(sharded)
+        if group is not None:
+            collectives.all_reduce(total, op="sum", group=group)
+        total = (total + local(replicated)) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in sharded + replicated:
         g.mul_(coef.to(g.device, g.dtype))
