@@ -6,8 +6,9 @@ root):
 * at most one reduce-scatter in flight during backward (docs/fsdp2.md): inside the ranks,
   ``fsdp_lab.collectives.reduce_scatter_tensor`` (the module attribute ``param_group.py`` calls)
   is wrapped to count, at each issue, the reduce-scatters issued earlier and not yet waited on
-  (post_backward issues its group's reduce-scatter, then waits for the one before it: so one
-  earlier reduce-scatter, never two, is still in flight when the next is issued);
+  (post_backward waits for the one before it, then issues its group's: none is in flight when the
+  next is issued), and those left after each backward (none, but after a backward that
+  ``set_is_last_backward(False)`` said is not the last: one);
 * ``set_reshard_after_forward`` / ``set_reshard_after_backward`` changed between steps: the
   all-gathers of every forward and every backward, against counts worked by hand here (and
   PyTorch's own ``fully_shard`` with the same calls where it runs on CPU), and the trained
@@ -113,7 +114,10 @@ def _in_flight_reduce_scatters():
 
     collectives.reduce_scatter_tensor = watched
     try:
-        for step in range(2):
+        # steps 0 and 1 are last backwards, step 2 is not (its last reduce-scatter stays in
+        # flight, waited for by step 3's first issue), step 3 is again
+        for step in range(4):
+            model.set_is_last_backward(step != 2)
             batch = _batch(step, rank, world)
             model(batch.input_ids, batch.labels).loss.backward()
             after_backward.append(in_flight[0])
@@ -193,8 +197,10 @@ def test_at_most_one_reduce_scatter_in_flight_during_backward(ranks):
         # seen by the wrapper. Each finds none in flight: the group's hook waits for the previous
         # group's before issuing its own, as PyTorch's reduce_scatter_max_input_buffers=1 (issuing
         # first would show 0 1 1 1 1, piling them up 0 1 2 3 4)
-        assert seen["at_issue"] == 2 * [0] * (N + 1), seen
-        assert seen["after_backward"] == [0, 0], seen  # the end of backward waits for the last
+        assert seen["at_issue"] == 4 * [0] * (N + 1), seen
+        # the end of a last backward waits for its last reduce-scatter; set_is_last_backward(False)
+        # leaves it in flight (as PyTorch's FSDP2 does), for the next backward to wait for
+        assert seen["after_backward"] == [0, 0, 1, 0], seen
 
 
 def test_set_reshard_after_forward_and_backward_gather_as_worked_by_hand(ranks):

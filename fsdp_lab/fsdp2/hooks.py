@@ -224,10 +224,11 @@ class _FSDPState:
         sync_points.fire("post_backward", self.group.name)
         self.training_state = TrainingState.BACKWARD_POST
         # at most one reduce-scatter in flight: the previous group's is waited on (its input
-        # buffer freed) before this group's is issued, as PyTorch's default
-        # reduce_scatter_max_input_buffers=1 does
-        self.root.finish_pending_reduce()
-        reduce = self.group.reduce_grads()
+        # buffer freed) just before this group's is made and issued, as PyTorch's default
+        # reduce_scatter_max_input_buffers=1 does; a call that issues none (the final callback
+        # runs every group's post-backward again) leaves it in flight, so a backward that is not
+        # the last ends with its last reduce-scatter pending
+        reduce = self.group.reduce_grads(before=self.root.finish_pending_reduce)
         if reduce is not None:
             self.root.pending_reduce = reduce
         if self.group.reshard_after_backward:

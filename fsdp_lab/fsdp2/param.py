@@ -316,6 +316,11 @@ class FSDPParam:
         self.partial_reduced_grad = None
 
     # -- 5. gradient ----------------------------------------------------------------------
+    def holds_unsharded_grad(self) -> bool:
+        """Whether ``take_unsharded_grad`` would return a gradient (it takes nothing)."""
+        return (self._unsharded_param is not None and self._unsharded_param.grad is not None) \
+            or self.unsharded_accumulated_grad is not None
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
         """Remove and return the full gradient (plus what was accumulated without sync), or None."""
         grad = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -255,11 +256,13 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
 
     # -- gradients -------------------------------------------------------------------------
-    def reduce_grads(self) -> _ReduceScatter | None:
+    def reduce_grads(self, before: Callable[[], None] | None = None) -> _ReduceScatter | None:
         """Issue the reduce-scatter of every gradient the group holds; None if it holds none.
 
         Without gradient sync the gradients are set aside unsharded instead (no collective).
-        Frozen parameters never have gradients, so they never take part.
+        Frozen parameters never have gradients, so they never take part. ``before()`` runs only
+        when a reduce-scatter is issued, before its buffers are made (the hooks wait there for the
+        previous one, so one is in flight at a time).
         """
         if not self.requires_gradient_sync:
             for fsdp_param in self.fsdp_params:
@@ -267,10 +270,14 @@ class FSDPParamGroup:
             return None
         params, grads = [], []
         all_reduce = self.requires_all_reduce or self.replicate_group is None
-        for fsdp_param in self.fsdp_params:
+        # no gradient this time, rows kept from earlier microbatches: they must reach the replicas
+        kept_rows = [all_reduce and p.partial_reduced_grad is not None for p in self.fsdp_params]
+        if before is not None and any(p.holds_unsharded_grad() or kept
+                                      for p, kept in zip(self.fsdp_params, kept_rows)):
+            before()  # a reduce-scatter will be issued; nothing of it (not even a cast) exists yet
+        for fsdp_param, kept in zip(self.fsdp_params, kept_rows):
             grad = fsdp_param.take_unsharded_grad()
-            if grad is None and all_reduce and fsdp_param.partial_reduced_grad is not None:
-                # no gradient this time, rows kept from earlier microbatches: they must reach the replicas
+            if grad is None and kept:
                 grad = torch.zeros(fsdp_param.orig_size, dtype=fsdp_param.dtypes.wire, device=self.device)
             if grad is not None:
                 params.append(fsdp_param)
