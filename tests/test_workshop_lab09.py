@@ -77,6 +77,20 @@ def torch_distributed_max_then_min(oom, not_done):
     return int(a), int(b)
 
 
+def torch_distributed_not_waited(oom, not_done):
+    import torch.distributed as dist
+    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)  # torch's own, its work never waited on
+    return int(t[0]), 1 - int(t[1])
+
+
+def torch_distributed_waited(oom, not_done):
+    import torch.distributed as dist
+    t = torch.tensor([oom, not_done], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True).wait()
+    return int(t[0]), 1 - int(t[1])
+
+
 def not_waited(oom, not_done):
     t = torch.tensor([oom, not_done], dtype=torch.int32)
     collectives.all_reduce(t, op="max", async_op=True)  # the handle is dropped: never waited on
@@ -95,6 +109,8 @@ def test_agreement_checker():
     assert lab09.check_agreement(own_done).mistake == "local_done"
     assert lab09.check_agreement(min_flags).mistake == "min"
     assert lab09.check_agreement(not_waited).mistake == "not_waited"
+    assert lab09.check_agreement(torch_distributed_not_waited).mistake == "not_waited"
+    assert lab09.check_agreement(torch_distributed_waited).solved
     assert lab09.check_agreement(torch_distributed_max).solved
     assert lab09.check_agreement(torch_distributed_max_then_min).mistake == "two_all_reduces"
 

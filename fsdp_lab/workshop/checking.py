@@ -166,9 +166,29 @@ class DirectCall:
     args: dict
 
 
+class _WatchedWork:
+    """torch.distributed's work object of an asynchronous call, noting whether the answer waited on
+    it (``wait()``, or took its future to wait on)."""
+
+    def __init__(self, work, name: str):
+        self._work, self.name, self.waited = work, name, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self._work.wait(*args, **kwargs)
+
+    def get_future(self):
+        self.waited = True
+        return self._work.get_future()
+
+    def __getattr__(self, attribute):
+        return getattr(self._work, attribute)
+
+
 class CollectiveCalls(list):
-    """:func:`collective_calls`' list, with ``unwaited``: the asynchronous collectives issued
-    through ``fsdp_lab.collectives`` that were not waited on inside the block, by name."""
+    """:func:`collective_calls`' list, with ``unwaited``: the asynchronous collectives issued inside
+    the block, through ``fsdp_lab.collectives`` or ``torch.distributed``, that were not waited on
+    there, by name."""
 
     unwaited: list[str] = []
 
@@ -186,6 +206,7 @@ def collective_calls():
     import torch.distributed as dist
 
     calls = CollectiveCalls()
+    direct_async: list[_WatchedWork] = []  # torch.distributed's own async calls, to see whether they were waited on
     originals = {name: getattr(dist, name) for name in _TORCH_COLLECTIVES if hasattr(dist, name)}
 
     def recording(function_name, function):
@@ -206,7 +227,12 @@ def collective_calls():
             calls.append(DirectCall(name, sum(t.numel() * t.element_size() for t in tensors), {
                 "dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
                 "group_size": dist.get_world_size(arguments.get("group"))}))
-            return function(*args, **kwargs)
+            work = function(*args, **kwargs)
+            if not arguments.get("async_op") or work is None:
+                return work
+            watched = _WatchedWork(work, name)
+            direct_async.append(watched)
+            return watched
         return call
 
     for function_name, function in originals.items():
@@ -218,7 +244,7 @@ def collective_calls():
         for function_name, function in originals.items():
             setattr(dist, function_name, function)
     calls[:0] = timeline.comm_events()
-    calls.unwaited = timeline.unwaited
+    calls.unwaited = timeline.unwaited + [w.name for w in direct_async if not w.waited]
 
 
 def checker(exercise: str, hint: str, *, explain: Callable[[BaseException, str], _Outcome | None] | None = None):
@@ -353,8 +379,8 @@ def _from_error(error: BaseException, explain) -> _Outcome:
         return _Outcome(NOT_SOLVED, "a `...` placeholder is still in the code "
                                     f"({summary}); write your expression in its place")
     if isinstance(error, LaunchError) and _lost_peer(str(error).strip().split("\n", 1)[0]):
-        return mistake("peer_left", "a rank's collective lost its peer: another rank had left (returned, or "
-                                    "raised) without calling it, so the ranks did not call the same collectives",
+        return mistake("peer_left", "a rank's collective lost its peer: another rank had returned without "
+                                    "calling it, so the ranks did not call the same collectives",
                        "every rank must call the same collectives, in the same order, whatever its own data "
                        "holds: decide after the collective, not before it")
     if isinstance(error, LaunchError):
