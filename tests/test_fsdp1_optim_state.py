@@ -9,6 +9,8 @@ one process, whose optimizer state (by parameter name) and third step must come 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -51,11 +53,15 @@ def _save_on_two_ranks(folder):
         model = _wrap(case)
         optimizer = build_optimizer(model)
         out[(case, "before any step")] = FSDP.optim_state_dict(model, optimizer)
-        for step in range(2):
-            take_step(model, optimizer, step, rank, world)
-        # PyTorch's keywords: the optimizer's own state passed in, the model's group named
-        whole = FSDP.optim_state_dict(model, optimizer, optim_state_dict=optimizer.state_dict(),
-                                      group=dist.group.WORLD)
+        take_step(model, optimizer, 0, rank, world)
+        first_saved, first_whole = copy.deepcopy(optimizer.state_dict()), FSDP.optim_state_dict(model, optimizer)
+        take_step(model, optimizer, 1, rank, world)
+        # PyTorch's keywords: a state saved one step ago converted instead of the optimizer's own
+        # (the optimizer has moved on), the model's group named
+        out[(case, "first step", "passed in")] = FSDP.optim_state_dict(model, optimizer, optim_state_dict=first_saved,
+                                                                        group=dist.group.WORLD)
+        out[(case, "first step", "then")] = first_whole
+        whole = FSDP.optim_state_dict(model, optimizer)
         out[case] = whole
         model_state = model.state_dict()
         if rank == 0:
@@ -199,6 +205,17 @@ def test_whole_state_equals_one_process_by_name(saved, one_process, case):
         assert whole["state"][name]["exp_avg"].shape == entry["exp_avg"].shape
     assert [{k: v for k, v in g.items() if k != "params"} for g in whole["param_groups"]] == groups
     assert [g["params"] for g in whole["param_groups"]] == group_names
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_state_passed_in_is_the_one_converted(saved, case):
+    _, results = saved
+    passed, then, now = (results[(case, "first step", "passed in")], results[(case, "first step", "then")],
+                         results[case])
+    assert passed["state"].keys() == then["state"].keys()
+    for name, entry in then["state"].items():
+        assert max_diff(passed["state"][name], entry) == 0, name
+    assert any(max_diff(passed["state"][n], now["state"][n]) > 0 for n in now["state"])  # not the current one
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -2,8 +2,9 @@
 
 On CPU ranks offloading moves nothing (the compute device is the host), so the CPU tests that
 train with offload cannot tell it from no offload. Here, on one CUDA rank, the sharded parameters,
-their gradients and AdamW's state must live in host memory, the GPU must hold no more than a
-block's worth of parameters after a step, and three steps must give one process's losses on the GPU.
+their gradients and AdamW's state must live in host memory, the GPU must hold less than half the
+model's parameter bytes after a step (nothing of the model but its buffers stays there), and three
+steps must give one process's losses on the GPU.
 """
 
 from __future__ import annotations

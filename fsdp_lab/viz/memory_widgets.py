@@ -99,7 +99,7 @@ class MemoryExplorer:
             c[name].value = value
         self.controls = c
         self.measured: dict[tuple, object] = {}
-        # before the Explorer's own observers, so a model change draws once with a length it has
+        # before the Explorer's own observers, so every draw after a model change has a length it supports
         c["model"].observe(lambda change: self._fit_seq_len(change["new"]), names="value")
         self.explorer = Explorer(c, self._render, title="Memory explorer (estimated per-rank peak)")
         self.measure_button = widgets.Button(description="measure", icon="flask")
