@@ -203,21 +203,21 @@ def test_at_most_one_reduce_scatter_in_flight_during_backward(ranks):
         assert seen["after_backward"] == [0, 0, 1, 0], seen
 
 
-def test_set_reshard_after_forward_and_backward_gather_as_worked_by_hand(ranks):
+def _gathers_as_worked_by_hand(ranks, implementation: str) -> None:
     for r in ranks:
-        for (label, _, _), (forward, backward), expected in zip(SCHEDULE, r["schedule"]["ours"]["counts"],
+        for (label, _, _), (forward, backward), expected in zip(SCHEDULE, r["schedule"][implementation]["counts"],
                                                                 EXPECTED_GATHERS):
             assert (forward["all_gather"], backward["all_gather"]) == expected, label
             assert (forward["reduce_scatter"], backward["reduce_scatter"]) == (0, N + 1), label
+
+
+def test_set_reshard_after_forward_and_backward_gather_as_worked_by_hand(ranks):
+    _gathers_as_worked_by_hand(ranks, "ours")
 
 
 @pytest.mark.skipif(not TORCH_FSDP2_ON_CPU, reason="PyTorch's fully_shard does not run on CPU ranks here")
 def test_pytorch_fully_shard_gathers_the_same_with_the_same_calls(ranks):
-    for r in ranks:
-        for (label, _, _), (forward, backward), expected in zip(SCHEDULE, r["schedule"]["torch"]["counts"],
-                                                                EXPECTED_GATHERS):
-            assert (forward["all_gather"], backward["all_gather"]) == expected, label
-            assert (forward["reduce_scatter"], backward["reduce_scatter"]) == (0, N + 1), label
+    _gathers_as_worked_by_hand(ranks, "torch")
 
 
 def test_training_with_the_reshard_knobs_matches_one_process(ranks):
