@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import threading
 import time
@@ -96,9 +95,8 @@ class _Clock:
 class CommEvent:
     """An open comm event; ``close()`` ends it (at most once)."""
 
-    def __init__(self, timeline: "Timeline", start, name: str, nbytes: int, lane: str, args: dict, order: int):
+    def __init__(self, timeline: "Timeline", start, name: str, nbytes: int, lane: str, args: dict):
         self._timeline, self.name, self.bytes, self.lane, self.args = timeline, name, nbytes, lane, args
-        self.order = order  # how many comm events the timeline opened before this one
         self._lock = threading.Lock()
         self._start = start  # a clock mark taken just before the collective was issued
         self._end = None
@@ -124,7 +122,7 @@ class CommEvent:
             if self._end is None:
                 self._end = self._timeline._clock.mark()
             end = self._end
-        self._timeline._open.discard(self)
+        self._timeline._open.pop(self, None)
         if not self.abandoned:
             self._timeline._add_raw(self.lane, self.name, self.bytes, self._start, end, "comm", self.args)
 
@@ -155,9 +153,8 @@ class Timeline:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"Timeline(device={str(device)!r}) but this process sees no CUDA GPU; leave "
                              "device out (it follows the process group's device) or pass device='cpu'")
-        self._open: set[CommEvent] = set()  # asynchronous collectives not waited on yet
+        self._open: dict[CommEvent, None] = {}  # asynchronous collectives not waited on yet, in issue order
         self.unwaited: list[str] = []  # those still open when the block ended, by name
-        self._opened = itertools.count()
         self._clock: _Clock | None = None
         self._raw: list[tuple] = []
         self._events: list[Event] = []
@@ -174,10 +171,10 @@ class Timeline:
     def __exit__(self, *exc) -> None:
         collectives.remove_recorder(self)
         _active.remove(self)
-        unfinished, self._open = self._open, set()
+        unfinished, self._open = list(self._open), {}
         for event in unfinished:
             event.abandoned = True  # the timeline does not change after its block
-        self.unwaited = [e.name for e in sorted(unfinished, key=lambda e: e.order)]
+        self.unwaited = [e.name for e in unfinished]
         if unfinished and exc[0] is None:
             names = ", ".join(sorted({e.name for e in unfinished}))
             warnings.warn(f"{len(unfinished)} asynchronous collective(s) ({names}) issued inside this Timeline "
@@ -197,8 +194,8 @@ class Timeline:
     def open_comm(self, start, name: str, nbytes: int, *, lane: str = "comm", **args) -> CommEvent:
         """The comm event of a collective issued since ``start = self.mark()`` (called by
         fsdp_lab.collectives)."""
-        event = CommEvent(self, start, name, nbytes, lane, args, next(self._opened))
-        self._open.add(event)
+        event = CommEvent(self, start, name, nbytes, lane, args)
+        self._open[event] = None
         return event
 
     def _add_raw(self, lane, name, nbytes, start, end, kind, args) -> None:
