@@ -100,6 +100,24 @@ OPTIMIZERS = ("for_loop", "foreach", "fused")
 REPEATED_EXACTLY = ("all_gathers", "reduce_scatters", "gathered_bytes", "reduced_bytes", "loss")
 
 
+def print_prefetch_peaks(table, names: list[str], root_bytes: int, block_bytes: int) -> None:
+    """For each run of ``table`` (a ``compare`` table) in ``names``: its peak gathered parameters
+    (MiB, and as the root plus a number of blocks of ``block_bytes``), peak comm buffers and peak
+    total (MiB); then what FSDP2's prefetch adds against none, to each of the last two."""
+    block_mib, root_mib = block_bytes / 2**20, root_bytes / 2**20
+    print(f"{'run':28} {'peak unsharded MiB':>19} {'= root + blocks':>16} {'peak comm buffers MiB':>22} "
+          f"{'peak total MiB':>15}")
+    for name in names:
+        row = table.row(name)
+        mib = row["peak_unsharded_mib"]
+        print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f} {row['peak_comm_mib']:22.3f} "
+              f"{row['peak_total_mib']:15.3f}")
+    with_prefetch, without = table.row("fsdp2 block"), table.row("fsdp2 block no-prefetch")
+    print(f"fsdp2's prefetch against none: comm-buffer maximum "
+          f"{(with_prefetch['peak_comm_mib'] - without['peak_comm_mib']) / block_mib:+.1f} block(s), "
+          f"peak total {with_prefetch['peak_total_mib'] - without['peak_total_mib']:+.3f} MiB")
+
+
 def repeats_agree(repeats, table, names: list[str]) -> bool:
     """True when every run in ``repeats`` has, for each configuration in ``names``, the same
     ``REPEATED_EXACTLY`` fields (counts, bytes, loss) as ``table``."""

@@ -187,17 +187,8 @@ CELLS = [
     print("forward, fsdp2 explicit:\\n ", sequence("fsdp2 block explicit", phase="forward"))
     """),
     code("""
-    block_mib, root_mib = block_bytes / 2**20, root_bytes / 2**20
-    print(f"{'run':28} {'peak unsharded MiB':>19} {'= root + blocks':>16} {'peak comm buffers MiB':>22} {'peak total MiB':>15}")
-    for name in ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none", "fsdp2 block", "fsdp2 block no-prefetch",
-                 "fsdp2 block keep-gathered"]:
-        row = table.row(name)
-        mib = row["peak_unsharded_mib"]
-        print(f"{name:28} {mib:19.3f} {(mib - root_mib) / block_mib:16.1f} {row['peak_comm_mib']:22.3f} {row['peak_total_mib']:15.3f}")
-    with_prefetch, without = table.row("fsdp2 block"), table.row("fsdp2 block no-prefetch")
-    print(f"fsdp2's prefetch against none: comm-buffer maximum "
-          f"{(with_prefetch['peak_comm_mib'] - without['peak_comm_mib']) / block_mib:+.1f} block(s), "
-          f"peak total {with_prefetch['peak_total_mib'] - without['peak_total_mib']:+.3f} MiB")
+    lab07.print_prefetch_peaks(table, ["fsdp1 block pre", "fsdp1 block post", "fsdp1 block none", "fsdp2 block",
+                                       "fsdp2 block no-prefetch", "fsdp2 block keep-gathered"], root_bytes, block_bytes)
     """),
     md("""
     `BACKWARD_PRE` holds two blocks at its peak (this one and the prefetched next one); `BACKWARD_POST` and
