@@ -2,11 +2,14 @@
 and ``ignored_modules``, against references worked in this process.
 
 One 2-rank launch (module-scoped fixture) runs every case on a 2-layer "cpu" Llama and returns
-plain values; the tests below only compare them with
+plain values; a 6-rank launch runs the sharding strategies again where a flat parameter needs
+padding (no unit's size divides by 6 or by 3) and HYBRID_SHARD splits the world into shard groups
+of 3 replicated twice. The tests below only compare them with
 
-* counts and bytes of all-gathers worked by hand from the model's structure (units: the root and
-  one per ``TransformerBlock``), following docs/fsdp1.md's table of hooks and PyTorch's FSDP1
-  (``_post_forward_reshard``: the root is not freed after forward, other FULL_SHARD units are);
+* counts and bytes of all-gathers and reductions worked by hand from the model's structure
+  (units: the root and one per ``TransformerBlock``) and from the groups each strategy uses,
+  following docs/fsdp1.md's table of hooks and PyTorch's FSDP1 (``_post_forward_reshard``: the
+  root is not freed after forward, other FULL_SHARD and HYBRID_SHARD units are);
 * the same model trained in one process (``torch.nn.utils.clip_grad_norm_``, SGD), on the whole
   global batch or, for an ignored module's gradient, on one rank's half of it.
 """
@@ -25,10 +28,14 @@ from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig, TransformerBlock
 
 WORLD, LAYERS = 2, 2
-VOCAB, BATCH, SEQ = 512, 4, 16
+PADDED_WORLD = 6  # neither unit's numel divides by 6 or by HYBRID_SHARD's shard group of 3
+VOCAB, SEQ = 512, 16
+BATCH = {WORLD: 4, PADDED_WORLD: 6}  # global batch rows, a multiple of the world
 CONFIG = LlamaConfig.from_name("cpu", n_layers=LAYERS)
 FP32 = 4
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+PADDED_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")
+CASES = [(WORLD, s) for s in STRATEGIES] + [(PADDED_WORLD, s) for s in PADDED_STRATEGIES]
 STEPS = 2
 INF = float("inf")
 # norm type -> max_norm: about half the step's gradient norm (2: 4.86, inf: 0.289, 1: 1223),
@@ -43,8 +50,8 @@ def _model() -> Llama:
     return Llama(CONFIG, seed=0)
 
 
-def _batch(step: int = 0):
-    return global_batch(VOCAB, BATCH, SEQ, step=step)
+def _batch(step: int = 0, world: int = WORLD):
+    return global_batch(VOCAB, BATCH[world], SEQ, step=step)
 
 
 def _key(norm_type: float) -> str:
@@ -80,7 +87,7 @@ def _strategy_run(strategy_name: str) -> dict:
     steps, after_forward = [], {}
     for step in range(STEPS):
         with Timeline() as forward:
-            loss = model(shard_batch(_batch(step), rank, world)).loss
+            loss = model(shard_batch(_batch(step, world), rank, world)).loss
         if step == 0:
             for h in hooks:
                 h.remove()
@@ -138,9 +145,22 @@ def run_rank() -> dict:
             "ignored": _ignored_run()}
 
 
+def run_padded_rank() -> dict:
+    return {"strategies": {s: _strategy_run(s) for s in PADDED_STRATEGIES}}
+
+
 @pytest.fixture(scope="module")
 def results():
     return launch(run_rank, world_size=WORLD, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def padded_results():
+    return launch(run_padded_rank, world_size=PADDED_WORLD, timeout=300)
+
+
+def _strategy_results(request, world: int) -> list[dict]:
+    return request.getfixturevalue("results" if world == WORLD else "padded_results")
 
 
 # --- references worked in this process ----------------------------------------------------------------
@@ -152,29 +172,60 @@ def _numels() -> tuple[int, int]:
     return root, block
 
 
-def _gathered_bytes(numel: int) -> int:
-    """An all-gather's output: the flat parameter padded to a multiple of the world, float32."""
-    return math.ceil(numel / WORLD) * WORLD * FP32
+def _shard_group_size(strategy: str, world: int) -> int:
+    """Ranks a flat parameter is split over: the world, 1 for NO_SHARD, and for HYBRID_SHARD on CPU
+    the world over its largest divisor <= sqrt(world) (6 ranks: 2 replicas of 3), as
+    docs/fsdp1.md says."""
+    if strategy == "NO_SHARD":
+        return 1
+    if strategy == "HYBRID_SHARD":
+        replicas = max(d for d in range(1, math.isqrt(world) + 1) if world % d == 0)
+        return world // replicas
+    return world
 
 
-def _expected_gathers(strategy: str) -> dict[str, list[int]]:
+def _gathered_bytes(numel: int, group: int) -> int:
+    """An all-gather's output: the flat parameter padded to a multiple of the group, float32."""
+    return math.ceil(numel / group) * group * FP32
+
+
+def _expected_gathers(strategy: str, world: int) -> dict[str, list[int]]:
     """Bytes of each all-gather of one step, per phase (forward; backward and optimizer step)."""
     root, block = _numels()
     if strategy == "NO_SHARD":  # every rank holds everything: nothing to gather
         return {"forward": [], "backward": []}
-    forward = [_gathered_bytes(root)] + [_gathered_bytes(block)] * LAYERS  # every unit once
-    # FULL_SHARD frees each block after its forward and gathers it again for backward; the root
-    # is kept (as PyTorch's FSDP1). SHARD_GRAD_OP keeps every unit gathered until its backward.
-    backward = [_gathered_bytes(block)] * LAYERS if strategy == "FULL_SHARD" else []
+    group = _shard_group_size(strategy, world)
+    forward = [_gathered_bytes(root, group)] + [_gathered_bytes(block, group)] * LAYERS  # every unit once
+    # FULL_SHARD and HYBRID_SHARD free each block after its forward and gather it again for
+    # backward; the root is kept (as PyTorch's FSDP1). SHARD_GRAD_OP keeps every unit gathered
+    # until its backward.
+    backward = [_gathered_bytes(block, group)] * LAYERS if strategy != "SHARD_GRAD_OP" else []
     return {"forward": forward, "backward": backward}
 
 
+def _expected_reductions(strategy: str, world: int) -> list[tuple[str, int, int]]:
+    """(collective, bytes, group size) of every gradient reduction of one step: each unit's whole
+    gradient once, reduce-scattered in its shard group; then, where ranks hold the same shard
+    (NO_SHARD's whole world, HYBRID_SHARD's replicas), the shard all-reduced across them."""
+    group = _shard_group_size(strategy, world)
+    replicas = world // group
+    root, block = _numels()
+    out = []
+    for numel in [root] + [block] * LAYERS:
+        if group > 1:
+            out.append(("reduce_scatter", _gathered_bytes(numel, group), group))
+        if replicas > 1:
+            out.append(("all_reduce", math.ceil(numel / group) * FP32, replicas))
+    return sorted(out)
+
+
 @functools.lru_cache(maxsize=None)
-def _sgd_reference(steps: int, lr: float) -> dict[str, torch.Tensor]:
+def _sgd_reference(steps: int, lr: float, world: int = WORLD) -> dict[str, torch.Tensor]:
+    """One process trained on the global batch a launch of ``world`` ranks splits."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
-        model(_batch(step)).loss.backward()
+        model(_batch(step, world)).loss.backward()
         opt.step()
         opt.zero_grad()
     return model.state_dict()
@@ -202,56 +253,69 @@ def test_block_size_is_the_documented_one():
     assert _numels()[1] == 184_576
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_all_gathers_per_step_match_the_strategy(results, strategy):
-    expected = _expected_gathers(strategy)
-    for rank, result in enumerate(results):
+def _case_id(case) -> str:
+    return f"{case[1]}-world{case[0]}"
+
+
+def test_padded_world_pads_every_unit():
+    root, block = _numels()
+    for strategy in PADDED_STRATEGIES:
+        group = _shard_group_size(strategy, PADDED_WORLD)
+        assert root % group and block % group, (strategy, group)  # else the launch tests no padding
+    assert _shard_group_size("HYBRID_SHARD", PADDED_WORLD) == 3
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_all_gathers_per_step_match_the_strategy(request, case):
+    world, strategy = case
+    expected = _expected_gathers(strategy, world)
+    group = _shard_group_size(strategy, world)
+    for rank, result in enumerate(_strategy_results(request, world)):
         for step, phases in enumerate(result["strategies"][strategy]["steps"]):
             for phase, events in phases.items():
                 gathers = [nbytes for name, nbytes, _ in events if name == "all_gather"]
                 # every unit's whole flat parameter once per gather (the order is the prefetch tests')
                 assert sorted(gathers) == sorted(expected[phase]), (strategy, rank, step, phase, gathers)
-                assert all(size == WORLD for name, _, size in events if name == "all_gather")
+                assert all(size == group for name, _, size in events if name == "all_gather")
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_each_unit_s_gradient_is_reduced_once_per_step(results, strategy):
-    root, block = _numels()
-    # every unit's whole gradient once: reduce-scatter when sharded, all-reduce for NO_SHARD
-    name = "all_reduce" if strategy == "NO_SHARD" else "reduce_scatter"
-    expected = sorted([_gathered_bytes(root)] + [_gathered_bytes(block)] * LAYERS)
-    for result in results:
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_each_unit_s_gradient_is_reduced_once_per_step(request, case):
+    world, strategy = case
+    expected = _expected_reductions(strategy, world)
+    for result in _strategy_results(request, world):
         for phases in result["strategies"][strategy]["steps"]:
-            reduces = [(n, b) for n, b, _ in phases["backward"] if n != "all_gather"]
-            assert sorted(b for _, b in reduces) == expected, (strategy, reduces)
-            assert {n for n, _ in reduces} == {name}, (strategy, reduces)
+            reduces = sorted(e for e in phases["backward"] if e[0] != "all_gather")
+            assert reduces == expected, (strategy, reduces)
             assert not [e for e in phases["forward"] if e[0] != "all_gather"], phases["forward"]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strategies_train_like_one_process(results, strategy):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_strategies_train_like_one_process(request, case):
     # the counts above mean nothing if a strategy trains wrongly: two SGD steps against one process
-    reference = _sgd_reference(STEPS, lr=0.1)
-    for result in results:
+    world, strategy = case
+    reference = _sgd_reference(STEPS, 0.1, world)
+    for result in _strategy_results(request, world):
         state = result["strategies"][strategy]["state"]
         assert set(state) == set(reference)
         for key, value in reference.items():
             assert (state[key] - value).abs().max().item() <= 1e-6, (strategy, key)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_blocks_stay_gathered_after_forward_only_without_reshard(results, strategy):
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_blocks_stay_gathered_after_forward_only_without_reshard(request, case):
     """The full-shape tensors each module computed with, looked at after the model's forward:
     under SHARD_GRAD_OP and NO_SHARD they still hold the block's whole weights (equal to the
     model's initial weights); under FULL_SHARD a block's are freed (no bytes) while the root's
-    are kept for backward."""
+    are kept for backward (HYBRID_SHARD reshards as FULL_SHARD does)."""
+    world, strategy = case
     initial = _model().state_dict()
-    for rank, result in enumerate(results):
+    for rank, result in enumerate(_strategy_results(request, world)):
         after = result["strategies"][strategy]["after_forward"]
         assert set(after) == set(initial)  # every parameter, blocks and root
         for name, (shape, values) in after.items():
             assert shape == tuple(initial[name].shape), (strategy, name, shape)  # full shape, not 1-D shards
-            freed = strategy == "FULL_SHARD" and name.startswith("layers.")
+            freed = strategy in ("FULL_SHARD", "HYBRID_SHARD") and name.startswith("layers.")
             if freed:
                 assert values is None, f"{strategy}: {name} still holds its gathered bytes after forward"
             else:
