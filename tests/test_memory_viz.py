@@ -176,6 +176,67 @@ def test_explorer_measures_a_bf16_fsdp_step_in_the_estimates_dtypes(strategy, ql
     plt.close("all")
 
 
+def test_explorer_status_is_about_the_settings_measured_only():
+    ex = MemoryExplorer(model="llama2-7b", world_size=2, batch_size=1, seq_len=32)
+    ex.measure()
+    assert "too big to run here" in ex.status.value
+    ex.controls["model"].value = "cpu"  # the refusal was about llama2-7b: it goes with it
+    assert ex.status.value == ""
+    ex.measure(simulated=True)
+    assert "measured" in ex.status.value
+    ex.controls["world_size"].value = 4  # no hatched bars for 4 ranks: no "measured" either
+    assert ex.status.value == ""
+    plt.close("all")
+
+
+def test_explorer_refuses_to_measure_past_the_model_s_length_before_any_rank_starts(monkeypatch):
+    import fsdp_lab.viz.memory_widgets as memory_widgets
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("ranks were launched")
+
+    monkeypatch.setattr(memory_widgets, "launch", no_launch)
+    ex = MemoryExplorer(model="cpu", world_size=2, batch_size=1, seq_len=32)
+    ex.controls["seq_len"].value = 8192
+    ex.measure()
+    assert "seq len 8192 is past cpu's max_seq_len (128)" in ex.status.value
+    assert "measure 128 tokens or fewer" in ex.status.value and "Traceback" not in ex.status.value
+    plt.close("all")
+
+
+def test_explorer_takes_the_figure_away_when_a_setting_is_refused():
+    ex = MemoryExplorer(model="cpu", world_size=8, strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=32)
+    ex.explorer.update()
+    assert ex.explorer.last_png
+    ex.controls["world_size"].value = 12  # not whole 8-GPU nodes: refused
+    assert "ValueError" in ex.explorer.last_text
+    assert ex.explorer.last_png is None  # no figure of 8 ranks beside it
+    plt.close("all")
+
+
+def test_a_run_button_explorer_marks_its_figure_out_of_date_when_a_control_changes():
+    import ipywidgets as widgets
+
+    from fsdp_lab.viz.widgets import STALE_CLASS, Explorer
+
+    renders = []
+
+    def render(n):
+        renders.append(n)
+        fig, ax = plt.subplots()
+        ax.bar([0], [n])
+        return fig, f"n = {n}"
+
+    n = widgets.IntSlider(value=1, min=1, max=4)
+    ex = Explorer({"n": n}, render, auto=False)
+    ex.update()
+    n.value = 3  # no render on change (it would run ranks): the shown result is marked instead
+    assert renders == [1] and ex.last_text == "n = 1" and STALE_CLASS in ex.stale.value
+    ex.button.click()
+    assert renders == [1, 3] and ex.last_text == "n = 3" and ex.stale.value == ""
+    plt.close("all")
+
+
 def test_explorer_hybrid_shards_within_the_chosen_node():
     ex = MemoryExplorer(model="cpu", world_size=12, strategy="fsdp1_hybrid_shard", batch_size=1, seq_len=32)
     ex.explorer.update()  # 12 GPUs are not whole 8-GPU nodes: the control that fixes it is named

@@ -8,6 +8,8 @@ figure comes from :meth:`MemoryExplorer.figure`, which also makes the static fig
 
 from __future__ import annotations
 
+import html
+
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import torch
@@ -31,7 +33,8 @@ def measure(settings: dict, simulated: bool | None = None):
     model given there; returns a MemoryResult. Runs ``world_size`` real ranks with
     ``fsdp_lab.launch`` up to MEASURE_MAX_WORLD, else (or with ``simulated=True``) rank 0 of a
     simulated world. QLoRA runs NF4 base weights with rank-8 adapters, as the estimate assumes.
-    Raises ValueError for what cannot be measured (CPU offload, hybrid sharding, big models),
+    Raises ValueError for what cannot be measured (CPU offload, hybrid sharding, big models, a
+    sequence longer than the model's ``max_seq_len``),
     and for an optimizer or gradient dtype other than the measured step's (AdamW, gradients in
     the parameters' dtype), so a measurement is never drawn beside the estimate of another setup.
     """
@@ -45,6 +48,10 @@ def measure(settings: dict, simulated: bool | None = None):
                          f"not {settings['grad_dtype']}: set grads to same")
     if not settings["model"].startswith("cpu"):
         raise ValueError(f"{settings['model']} is too big to run here: measure a 'cpu' config")
+    longest = CONFIGS[settings["model"]].max_seq_len
+    if settings["seq_len"] > longest:
+        raise ValueError(f"seq len {settings['seq_len']} is past {settings['model']}'s max_seq_len ({longest}), "
+                         f"which the model itself refuses: measure {longest} tokens or fewer")
     n = settings["world_size"]
     kwargs = dict(strategy=settings["strategy"], batch_size=settings["batch_size"], seq_len=settings["seq_len"],
                   param_dtype=DTYPES[settings["param_dtype"]],
@@ -104,7 +111,9 @@ class MemoryExplorer:
         self.explorer = Explorer(c, self._render, title="Memory explorer (estimated per-rank peak)")
         self.measure_button = widgets.Button(description="measure", icon="flask")
         self.measure_button.on_click(lambda _b: self.measure())
-        self.status = widgets.HTML()
+        self.status = widgets.HTML()  # what the last "measure" did: about the settings it measured only
+        for control in c.values():
+            control.observe(lambda _change: setattr(self.status, "value", ""), names="value")
         self.widget = widgets.VBox([self.explorer.widget, widgets.HBox([self.measure_button, self.status])])
 
     def settings(self) -> dict:
@@ -177,7 +186,8 @@ class MemoryExplorer:
             self.measured[self._key(s)] = measure(s, simulated=simulated)
             self.status.value = "measured (hatched bars)"
         except (ValueError, RuntimeError) as error:
-            self.status.value = f"<span style='color:#b00'>{error}</span>"
+            # a rank's failure comes with its traceback: the first line says what went wrong
+            self.status.value = f"<span style='color:#b00'>{html.escape(str(error).splitlines()[0], quote=False)}</span>"
         self.explorer.update()
 
     def show(self) -> "MemoryExplorer":

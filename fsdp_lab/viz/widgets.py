@@ -21,6 +21,7 @@ from IPython.display import display
 # CSS class on each lab's main widget, so the browser test can find it.
 MAIN_WIDGET_CLASS = "fsdp-lab-main"
 ERROR_CLASS = "fsdp-lab-error"  # on the message an Explorer shows when its render raised
+STALE_CLASS = "fsdp-lab-stale"  # on the note that the figure shown is of earlier settings
 
 
 class Explorer:
@@ -28,7 +29,9 @@ class Explorer:
 
     ``controls``: name -> ipywidgets value widget (the name is the keyword ``render`` gets).
     ``render`` returns a matplotlib Figure or (Figure, text). Errors raised by ``render``
-    are shown in the output area as text instead of breaking the widget.
+    are shown in the output area as text instead of breaking the widget, and the figure of
+    earlier settings is taken away. With ``auto=False`` (a render that runs ranks) only the
+    Run button renders; changing a control then marks the figure shown as out of date.
     """
 
     def __init__(self, controls: dict[str, widgets.ValueWidget], render: Callable, *,
@@ -41,14 +44,21 @@ class Explorer:
         self.button.on_click(lambda _b: self.update())
         self.last_png: bytes | None = None
         self.last_text = ""
+        self.auto = auto
+        self.stale = widgets.HTML()  # auto=False: says when the figure is not of the settings shown
         header = [widgets.HTML(f"<b>{title}</b>")] if title else []
-        panel = widgets.VBox(header + list(controls.values()) + [self.button],
+        hint = [] if auto else [widgets.HTML("<i>change the settings, then press Run</i>")]
+        panel = widgets.VBox(header + list(controls.values()) + [self.button] + hint,
                              layout=widgets.Layout(min_width="320px"))
-        self.widget = widgets.HBox([panel, widgets.VBox([self.output, self.text])])
+        self.widget = widgets.HBox([panel, widgets.VBox([self.stale, self.output, self.text])])
         self.widget.add_class(MAIN_WIDGET_CLASS)
-        if auto:
-            for control in controls.values():
-                control.observe(lambda _change: self.update(), names="value")
+        for control in controls.values():
+            control.observe(lambda _change: self.update() if auto else self._mark_stale(), names="value")
+
+    def _mark_stale(self) -> None:
+        if self.last_png is not None or self.last_text:
+            self.stale.value = (f"<b class='{STALE_CLASS}' style='color:#a60'>settings changed: the results below "
+                                "are for the previous ones; press Run</b>")
 
     def values(self) -> dict:
         return {name: control.value for name, control in self.controls.items()}
@@ -59,9 +69,12 @@ class Explorer:
         try:
             self._draw(self.render(**self.values()))
         except Exception as error:  # shown to the learner, not raised into the event loop
-            self.last_text = f"{type(error).__name__}: {error}"
+            # no figure of earlier settings beside the error: it would read as this setting's
+            self.output.clear_output()
+            self.last_png, self.last_text = None, f"{type(error).__name__}: {error}"
             self.text.value = f"<pre class='{ERROR_CLASS}' style='color:#b00'>{self.last_text}</pre>"
         finally:
+            self.stale.value = ""
             self.button.disabled = False
 
     def _draw(self, result) -> None:
