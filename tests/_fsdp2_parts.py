@@ -7,6 +7,7 @@ host's tests compare. Ranks import this module by name (``fsdp_lab.launch`` send
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import shutil
 import tempfile
@@ -262,7 +263,40 @@ def _part_memory():
             with MemoryTracker(model) as tracker:
                 model(batch.input_ids, batch.labels).loss.backward()
             out["tracker_max"] = tracker.max_by_category()
+            # one all-gather in flight, then waited for: the communication buffers it holds
+            with MemoryTracker(model) as tracker:
+                handle = model.layers[0].unshard(async_op=True)
+                in_flight = tracker.current()["comm_buffers"]
+                handle.wait()
+                out["gather_comm_buffers"] = {"in_flight": in_flight, "waited": tracker.current()["comm_buffers"]}
+                model.layers[0].reshard()
+    out["step_peaks"] = _step_peaks_beside_torch(cfg, batch)
     return out
+
+
+def _step_peaks_beside_torch(cfg, batch) -> dict[str, int]:
+    """The tracked peak (bytes, this rank) of one AdamW step, after one untracked step, of the
+    same Llama sharded by ours and, where it runs on CPU ranks, by PyTorch's ``fully_shard``."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from _torch_reference import TORCH_FSDP2_ON_CPU
+    from fsdp_lab.fsdp2 import fully_shard
+    from fsdp_lab.memory.tracker import MemoryTracker
+
+    peaks = {}
+    for name, shard in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        if name == "torch" and not TORCH_FSDP2_ON_CPU:
+            continue
+        model = _shard_llama(Llama(cfg, seed=0), shard)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for tracked in (False, True):
+            with MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as tracker:
+                model(batch.input_ids, batch.labels).loss.backward()
+                opt.step()
+                opt.zero_grad()
+        peaks[name] = tracker.peak_total()
+        del model, opt, tracker
+    return peaks
 
 
 def _part_prefetch_order():

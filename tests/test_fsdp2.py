@@ -237,6 +237,19 @@ def test_tracker_sees_unsharded_params_of_largest_groups(extras):
     assert extras["tracker_max"]["unsharded_params"] == root_bytes + layer_bytes
 
 
+def test_an_all_gather_in_flight_holds_its_output_only(extras):
+    # as PyTorch's FSDP2, the rank's input is its own rows of the output buffer: one buffer of
+    # the gathered group's bytes, not that plus a shard-sized copy-in buffer
+    _, layer_bytes = _group_bytes(LlamaConfig.from_name("cpu"), 2)
+    assert extras["gather_comm_buffers"] == {"in_flight": layer_bytes, "waited": 0}
+
+
+def test_step_peak_is_not_above_pytorch_s(extras, torch_fsdp2_reference):
+    peaks = extras["step_peaks"]
+    # the same model, batch and AdamW step, tracked alike: ours holds no buffer PyTorch's does not
+    assert peaks["ours"] <= peaks["torch"], peaks
+
+
 def test_implicit_backward_prefetch_order(extras):
     log = extras["order_explicit_False"]
     backward = log[log.index(("backward", None)) + 1:]

@@ -4,9 +4,10 @@ Every ``fully_shard`` call makes one ``FSDPParamGroup`` of the parameters it man
 group batches its parameters' per-parameter steps (see ``param.py``) into one collective
 each way:
 
-* **unshard** = copy-in (every parameter's shard, cast to the compute dtype, into one flat
-  buffer) -> one ``all_gather_into_tensor`` (async) -> copy-out (``split_with_sizes_copy``
-  from the rank-major output into each parameter's ``all_gather_outputs``). When the inputs
+* **unshard** = copy-in (every parameter's shard, cast to the compute dtype, into this rank's
+  rows of the flat output buffer) -> one ``all_gather_into_tensor`` (async) -> copy-out
+  (``split_with_sizes_copy`` from the rank-major output into each parameter's
+  ``all_gather_outputs``). When the inputs
   do not share one dtype (e.g. NF4 bytes beside float scales) the buffer is ``uint8`` and
   each input travels as its raw bytes.
 * **reshard** = point modules back at the sharded DTensors and free the unsharded storage.
@@ -57,7 +58,7 @@ class _AllGather:
 
     def __init__(self, handle, input, output, buffer_dtype, inputs, dtypes, owners, split_numels):
         self.handle = handle
-        self.input = input                # (sum(split_numels),) buffer_dtype: this rank's copied-in shards
+        self.input = input                # (sum(split_numels),) buffer_dtype: this rank's copied-in shards, a view of output
         self.output = output              # (world * sum(split_numels),) buffer_dtype, rank-major
         self.buffer_dtype = buffer_dtype  # the wire dtype, or uint8 when the inputs' dtypes differ
         self.inputs, self.dtypes = inputs, dtypes  # every all-gather input and its wire dtype
@@ -124,6 +125,7 @@ class FSDPParamGroup:
         # all-reduce the reduced shard across the replicas (its first dim)
         self.mesh, self.group, self.device = mesh, mesh.get_group(mesh.ndim - 1), device
         self.world_size = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)  # within the shard group
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -181,10 +183,13 @@ class FSDPParamGroup:
         else:  # every input as raw bytes
             sources = [t.to(d).reshape(-1).view(torch.uint8) for t, d in zip(inputs, dtypes)]
         split_numels = [s.numel() for s in sources]
-        flat_input = tag(torch.empty(sum(split_numels), dtype=buffer_dtype, device=self.device), "comm_buffers")
-        torch._foreach_copy_(list(torch.split(flat_input, split_numels)), sources)
-        output = tag(torch.empty(flat_input.numel() * self.world_size, dtype=buffer_dtype, device=self.device),
+        shard_numel = sum(split_numels)
+        output = tag(torch.empty(shard_numel * self.world_size, dtype=buffer_dtype, device=self.device),
                      "comm_buffers")
+        # As PyTorch's FSDP2: the input is this rank's own rows of the output (the all-gather
+        # leaves them as they are), so a gather in flight holds one buffer, not two.
+        flat_input = output.narrow(0, shard_numel * self.rank, shard_numel)
+        torch._foreach_copy_(list(torch.split(flat_input, split_numels)), sources)
         # the sync point fires after every allocation, the collective's own included
         handle = collectives.all_gather_into_tensor(output, flat_input, group=self.group, async_op=True,
                                                     meta={"module": self.name},
@@ -212,8 +217,7 @@ class FSDPParamGroup:
         with versions_kept(destinations):
             torch.split_with_sizes_copy(pending.output.view(self.world_size, -1), pending.split_numels, dim=1,
                                         out=destinations)
-        collectives.release(pending.input)
-        collectives.release(pending.output)
+        collectives.release(pending.output)  # the input is a view of it
         index = 0
         for fsdp_param, count in zip(self.fsdp_params, pending.owners):
             fsdp_param.init_unsharded_param([t.shape for t in pending.inputs[index:index + count]])
@@ -303,8 +307,10 @@ class FSDPParamGroup:
         if divide_by is None and self.force_sum_reduction_for_comms:
             divide_by = float(self.world_size * replicas)
         op = "avg" if self.world_size > 1 and divide_by is None else "sum"
+        # flat_input dies after the reduce-scatter: on gloo each chunk is then summed in place onto
+        # its owner, with no receive buffer as large as the input (NCCL's needs none either)
         handle = collectives.reduce_scatter_tensor(output, flat_input, op=op, group=self.group, async_op=True,
-                                                   meta={"module": self.name},
+                                                   meta={"module": self.name}, input_is_scratch=True,
                                                    before_issue=functools.partial(sync_points.fire, "reduce_scatter", self.name))
         if _SYNCHRONOUS:
             handle.wait()  # the later _ReduceScatter.wait() then only hands out the shards
