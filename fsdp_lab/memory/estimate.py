@@ -375,6 +375,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     # than their gradients add, so this is the backward peak (the optimizer phase covers the end)
     head_grad = 0 if qlora else config.vocab_size * config.dim + config.dim
     layer_grad = (full_train / max(config.n_layers, 1)) if qlora else layer_numel
+    block_grad = max((math.prod(s) for u, s in trainable if u != "root"), default=0)  # one parameter's
     bwd_acts = acts["total"] - acts["loss"] + acts["recompute"]
     # when the loss gradient is computed (the forward_end moment) the loss has let go of its labels
     loss_grad_acts = acts["total"] - acts["labels"]
@@ -424,9 +425,21 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
         phases["forward_end"] = phase(activations=loss_grad_acts, temporaries=loss_grad,
                                       unsharded_params=unsharded_fwd,
                                       comm_buffers=0 if keep_unsharded else int(layer_gathered * c) + layer_quant)
-        phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
-                                   unsharded_grads=int((root_grad if flat else head_grad) * g + layer_grad * g),
-                                   comm_buffers=int(layer_grad * g), temporaries=bwd_temp)
+        if flat:
+            # FSDP1 makes a unit's flat gradient whole at its first gradient, and reduce-scatters
+            # that buffer itself
+            phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered,
+                                       unsharded_grads=int(root_grad * g + layer_grad * g),
+                                       comm_buffers=int(layer_grad * g), temporaries=bwd_temp)
+        else:
+            # FSDP2's gradients arrive one parameter at a time: when the last block's backward
+            # starts (every activation alive) it holds one of that block's gradients, and the next
+            # block's prefetched all-gather is still its flat output buffer; the block's whole
+            # gradient and its reduce-scatter input come once its activations are freed
+            prefetched = 0 if keep_unsharded else int(layer_gathered * c) + layer_quant
+            phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered - prefetched,
+                                       unsharded_grads=int((head_grad + block_grad) * g),
+                                       comm_buffers=prefetched, temporaries=bwd_temp)
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
                                        unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
                                        unsharded_grads=int((root_grad if flat else emb_grad) * g + layer_grad * g),
