@@ -1,6 +1,10 @@
 """The fsdp-lab command line: env, bench, argument errors, and the list of subcommands."""
 
+import datetime
+import json
+import pathlib
 import platform
+import shutil
 import sys
 import types
 
@@ -9,6 +13,7 @@ import torch
 
 from fsdp_lab import bandwidth, cli
 from fsdp_lab import dist as fdist
+from fsdp_lab.workshop import cli as workshop_cli
 
 
 def test_env_reports_versions_devices_backends_and_a_working_launch(capsys):
@@ -114,3 +119,71 @@ def test_output_into_a_pipe_closed_early_ends_quietly():
     _, err = command.communicate(timeout=120)
     assert command.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
 
+
+
+LABS = pathlib.Path(__file__).resolve().parents[1] / "labs"
+LEARNER_CELL = {"cell_type": "code", "execution_count": None, "id": "learner-work", "metadata": {},
+                "outputs": [], "source": "my_answer = 42  # the learner's own cell"}
+
+
+@pytest.fixture
+def learner_labs(tmp_path, monkeypatch):
+    """A copy of labs/src with labs 00 and 03 as a learner left them (a cell of their own added)."""
+    labs = tmp_path / "labs"
+    shutil.copytree(LABS / "src", labs / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for stem in ("00_start_here", "03_zero_by_hand"):
+        notebook = json.loads((LABS / f"{stem}.ipynb").read_text())
+        notebook["cells"].append(LEARNER_CELL)
+        (labs / f"{stem}.ipynb").write_text(json.dumps(notebook))
+    # the command imports the copy's nbbuild under that name; put back whatever was there
+    monkeypatch.delitem(sys.modules, "nbbuild", raising=False)
+    return labs
+
+
+def freeze_clock(monkeypatch):
+    """Every backup stamp of `fsdp-lab lab reset` falls in the same second."""
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2025, 5, 6, 7, 8, 9)
+
+    monkeypatch.setattr(workshop_cli, "datetime", types.SimpleNamespace(datetime=Frozen))
+
+
+def backups(labs, stem) -> list[list[dict]]:
+    """The cells of every backup of lab ``stem``."""
+    return [json.loads(p.read_text())["cells"] for p in sorted((labs / ".backup").glob(f"{stem}-*.ipynb"))]
+
+
+def test_lab_reset_of_one_lab_named_twice_resets_it_once_and_keeps_the_learner_s_cell(learner_labs, capsys,
+                                                                                     monkeypatch):
+    freeze_clock(monkeypatch)
+    assert cli.main(["lab", "--labs", str(learner_labs), "reset", "03", "3", "03_zero_by_hand"]) == 0
+    assert capsys.readouterr().out.count("03_zero_by_hand.ipynb: back to the learner's copy") == 1
+    kept = backups(learner_labs, "03_zero_by_hand")
+    assert len(kept) == 1 and kept[0][-1]["source"] == LEARNER_CELL["source"]
+    assert LEARNER_CELL["id"] not in [c.get("id") for c in
+                                      json.loads((learner_labs / "03_zero_by_hand.ipynb").read_text())["cells"]]
+
+
+def test_two_resets_in_the_same_second_keep_both_backups(learner_labs, capsys, monkeypatch):
+    freeze_clock(monkeypatch)
+    for _ in range(2):
+        assert cli.main(["lab", "--labs", str(learner_labs), "reset", "03"]) == 0
+    out = capsys.readouterr().out
+    first, second = sorted((learner_labs / ".backup").glob("03_zero_by_hand-*.ipynb"))
+    assert first.name == "03_zero_by_hand-20250506-070809.ipynb"
+    assert second.name == "03_zero_by_hand-20250506-070809_2.ipynb" and str(second) in out
+    learner, fresh = backups(learner_labs, "03_zero_by_hand")
+    assert learner[-1]["source"] == LEARNER_CELL["source"] and learner != fresh
+    assert LEARNER_CELL["source"] not in [c["source"] for c in fresh]
+
+
+def test_lab_reset_with_an_unknown_lab_resets_none(learner_labs, capsys):
+    before = (learner_labs / "00_start_here.ipynb").read_text()
+    assert cli.main(["lab", "--labs", str(learner_labs), "reset", "00", "99"]) == 2
+    out, err = capsys.readouterr()
+    assert "no lab named '99'; the labs are: 00_start_here, 01_collectives" in err
+    assert "back to the learner's copy" not in out
+    assert (learner_labs / "00_start_here.ipynb").read_text() == before  # the learner's cell is still there
+    assert not (learner_labs / ".backup").exists()

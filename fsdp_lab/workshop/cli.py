@@ -70,18 +70,36 @@ def load_nbbuild(labs: pathlib.Path):
     return module
 
 
+def backup_path(labs: pathlib.Path, stem: str) -> pathlib.Path:
+    """A new, empty file ``labs/.backup/<stem>-<date>-<time>.ipynb`` to copy a replaced notebook
+    into (``..._2.ipynb``, ``..._3.ipynb``, ... when resets fall in the same second); creates the
+    folder. Raises OSError when the folder or the file cannot be created."""
+    folder = labs / BACKUP_DIR
+    folder.mkdir(exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    count = 1
+    while True:
+        path = folder / (f"{stem}-{stamp}.ipynb" if count == 1 else f"{stem}-{stamp}_{count}.ipynb")
+        try:
+            # created exclusively: a backup the learner's work may be in is never overwritten,
+            # even by a reset running at the same time in another process
+            path.open("xb").close()
+            return path
+        except FileExistsError:
+            count += 1
+
+
 def reset(labs: pathlib.Path, name: str, *, execute: bool = False) -> tuple[pathlib.Path, pathlib.Path | None]:
     """Rebuild ``labs/<stem>.ipynb`` as the learner's copy from its source; returns
-    (notebook, backup of the replaced notebook or None). Raises LabNotFound."""
+    (notebook, backup of the replaced notebook or None). The backup never replaces an earlier
+    one (:func:`backup_path`). Raises LabNotFound for an unknown ``name``."""
     stem = resolve(labs, name)
     nbbuild = load_nbbuild(labs)
     cells = nbbuild.load_cells(lab_sources(labs)[stem])
     target = labs / f"{stem}.ipynb"
     backup = None
     if target.exists():
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        backup = labs / BACKUP_DIR / f"{stem}-{stamp}.ipynb"
-        backup.parent.mkdir(exist_ok=True)
+        backup = backup_path(labs, stem)
         shutil.copy2(target, backup)
     # a learner's run: figures go to labs/my_figures/, the shipped ones stay as they are
     nbbuild.write(stem, cells, "student", execute=execute, path=target, committed_figures=False)
@@ -102,9 +120,14 @@ def _list(args) -> int:
 
 
 def _reset(args) -> int:
+    """Reset each distinct lab in ``args.labs_to_reset`` once. Raises LabNotFound, before any lab
+    is reset, when a name matches no lab (or several)."""
     labs = find_labs(args.labs)
-    for name in args.labs_to_reset:
-        target, backup = reset(labs, name, execute=args.execute)
+    # every name is checked before any lab is reset, and a lab named twice ("03 3") is reset
+    # once: a second reset would back up the fresh copy, not the learner's work
+    stems = list(dict.fromkeys(resolve(labs, name) for name in args.labs_to_reset))
+    for stem in stems:
+        target, backup = reset(labs, stem, execute=args.execute)
         state = "with fresh outputs" if args.execute else "outputs cleared: run it in JupyterLab"
         print(f"{target.name}: back to the learner's copy ({state})")
         if backup is not None:
