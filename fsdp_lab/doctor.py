@@ -17,8 +17,10 @@ import dataclasses
 import importlib
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
+import socket
 import sys
 from typing import Callable, Iterator
 
@@ -298,8 +300,48 @@ def _all_reduce_probe() -> float:
     return float(value.item())
 
 
+def _interface_names() -> list[str]:
+    """This machine's network interfaces ("lo", "eth0", ...); empty when the system cannot list them."""
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def launch_setting_problem() -> Check | None:
+    """The 2-rank launch's FAIL, with its fix, for a setting in the environment ``launch`` refuses
+    before starting any rank: ``FSDP_LAB_DEVICE`` naming no device, ``GLOO_SOCKET_IFNAME`` naming
+    an interface this machine lacks. None when neither is wrong. Raises nothing: it reports them."""
+    from fsdp_lab import dist as fdist
+    try:
+        fdist.cpu_forced()
+    except ValueError:
+        value = os.environ.get(fdist.DEVICE_ENV)
+        return Check("2-rank launch", "FAIL", f"{fdist.DEVICE_ENV}={value!r} is not a device fsdp_lab runs on",
+                     f"unset {fdist.DEVICE_ENV} (`unset {fdist.DEVICE_ENV}`: ranks use the GPUs if there are "
+                     f"some, else the CPU), or set it to cpu (`export {fdist.DEVICE_ENV}=cpu`: CPU ranks even "
+                     "where GPUs are visible)")
+    try:
+        fdist.check_gloo_interface()
+    except ValueError:
+        value = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        names = _interface_names()
+        unknown = [name for name in value.split(",") if name not in names]
+        return Check("2-rank launch", "FAIL", f"GLOO_SOCKET_IFNAME={value!r}: this machine has no network "
+                     f"interface {', '.join(unknown)}",
+                     f"unset GLOO_SOCKET_IFNAME (`unset GLOO_SOCKET_IFNAME`: on one machine ranks connect over "
+                     f"loopback, {fdist.loopback_interface() or 'lo'}), or set it to interfaces this machine "
+                     f"has: {', '.join(names)}")
+    return None
+
+
 def check_launch(timeout: float = 120.0) -> Check:
-    """Start 2 ranks with ``fsdp_lab.launch`` and all-reduce across them (``timeout`` seconds)."""
+    """Start 2 ranks with ``fsdp_lab.launch`` and all-reduce across them (``timeout`` seconds).
+    A FAIL's fix follows its cause: a wrong setting in the environment, too little time, or
+    (cause unknown) local connections or processes that cannot start."""
+    problem = launch_setting_problem()
+    if problem is not None:
+        return problem
     try:
         from fsdp_lab.dist import choose_backend
         from fsdp_lab.launch import launch
@@ -312,6 +354,11 @@ def check_launch(timeout: float = 120.0) -> Check:
                          f"two ranks did not finish one all-reduce in {timeout:g} s: on a busy or slow machine "
                          f"give them longer (--launch-timeout SECONDS); else see the full report with "
                          f"`python -c 'import fsdp_lab; fsdp_lab.launch(print, 1, world_size=2)'`")
+        if isinstance(error, ValueError):
+            # launch checks its settings before it starts a rank, and its message names the fix
+            return Check("2-rank launch", "FAIL", f"ValueError: {first_line}",
+                         "change the setting this message names (no rank was started), then run "
+                         "`fsdp-lab doctor` again")
         return Check("2-rank launch", "FAIL", f"{type(error).__name__}: {first_line}",
                      "make sure 127.0.0.1 (loopback) accepts local TCP connections and child "
                      "processes may start; see the full error with "

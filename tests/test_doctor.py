@@ -254,6 +254,37 @@ def test_a_launch_that_runs_out_of_time_asks_for_more_time(monkeypatch):
     assert "--launch-timeout SECONDS" in check.fix and "loopback" not in check.fix
 
 
+def test_a_gloo_interface_the_machine_lacks_fails_with_its_interfaces_not_loopback_advice(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "bogus0")
+    check = doctor.check_launch(timeout=5)  # refused before any rank starts
+    assert check.status == "FAIL" and "GLOO_SOCKET_IFNAME='bogus0'" in check.detail and "bogus0" in check.detail
+    assert "unset GLOO_SOCKET_IFNAME" in check.fix and "interfaces this machine has: lo, eth0" in check.fix
+    assert "127.0.0.1" not in check.fix
+
+
+def test_fsdp_lab_device_that_is_no_device_fails_with_unset_or_cpu_not_loopback_advice(monkeypatch):
+    monkeypatch.setenv("FSDP_LAB_DEVICE", "gpu")
+    check = doctor.check_launch(timeout=5)  # refused before any rank starts
+    assert check.status == "FAIL" and "FSDP_LAB_DEVICE='gpu' is not a device" in check.detail
+    assert "unset FSDP_LAB_DEVICE" in check.fix and "export FSDP_LAB_DEVICE=cpu" in check.fix
+    assert "127.0.0.1" not in check.fix
+
+
+def test_another_setting_launch_refuses_gets_its_own_message_not_loopback_advice(monkeypatch):
+    launch_module = importlib.import_module("fsdp_lab.launch")
+
+    def refuse(*args, **kwargs):
+        raise ValueError("FSDP_LAB_LAUNCH_START must be 'fork' or 'spawn', got 'sideways'")
+
+    monkeypatch.setattr(launch_module, "launch", refuse)
+    check = doctor.check_launch(timeout=5)
+    assert check.status == "FAIL" and "FSDP_LAB_LAUNCH_START must be 'fork' or 'spawn'" in check.detail
+    assert "change the setting this message names" in check.fix and "127.0.0.1" not in check.fix
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
 def test_a_launch_timeout_that_is_no_time_is_a_usage_error(capsys, value):
     with pytest.raises(SystemExit) as info:
