@@ -16,6 +16,7 @@ of 3 replicated twice. The tests below only compare them with
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -139,10 +140,55 @@ def _ignored_run() -> dict:
     return out
 
 
+class _TwoBranches(torch.nn.Module):
+    """Which branch runs is the caller's choice: a unit can sit out a microbatch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.b1, self.b2, self.head = (torch.nn.Linear(4, 5), torch.nn.Linear(5, 5),
+                                                 torch.nn.Linear(5, 5), torch.nn.Linear(5, 3))
+
+    def forward(self, x, use_b1: bool):
+        return self.head(torch.tanh((self.b1 if use_b1 else self.b2)(torch.tanh(self.inp(x)))))
+
+
+# per step, the branch each of two microbatches takes: step 0's b1 runs only under no_sync(), so
+# its gradient must still reach step 0's update (and not step 1's)
+BRANCH_PLAN = [(True, False), (True, True)]
+
+
+def _branch_batch(step: int, micro: int):
+    g = torch.Generator().manual_seed(10 * step + micro)
+    return torch.randn(4, 4, generator=g), torch.randn(4, 3, generator=g)
+
+
+def _branches_run(strategy_name: str, mode: str) -> dict:
+    """Two SGD steps of two microbatches, the first under no_sync(), on _TwoBranches."""
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kwargs = dict(sharding_strategy=getattr(ShardingStrategy, strategy_name), grad_accumulation=mode)
+    model = _TwoBranches()
+    model.b1, model.b2 = FSDP(model.b1, **kwargs), FSDP(model.b2, **kwargs)
+    model = FSDP(model, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    for step, plan in enumerate(BRANCH_PLAN):
+        for micro, use_b1 in enumerate(plan):
+            x, y = _branch_batch(step, micro)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                (torch.nn.functional.mse_loss(model(x[rows], use_b1), y[rows]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
 def run_rank() -> dict:
     return {"strategies": {s: _strategy_run(s) for s in STRATEGIES},
             "clip": {_key(t): _clip_run(t) for t in MAX_NORM},
-            "ignored": _ignored_run()}
+            "ignored": _ignored_run(),
+            "branches": {(s, mode): _branches_run(s, mode) for s in STRATEGIES for mode in ("flat", "concat")}}
 
 
 def run_padded_rank() -> dict:
@@ -226,6 +272,18 @@ def _sgd_reference(steps: int, lr: float, world: int = WORLD) -> dict[str, torch
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         model(_batch(step, world)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+def _branches_reference() -> dict[str, torch.Tensor]:
+    model = _TwoBranches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, plan in enumerate(BRANCH_PLAN):
+        for micro, use_b1 in enumerate(plan):
+            x, y = _branch_batch(step, micro)
+            (torch.nn.functional.mse_loss(model(x, use_b1), y) / 2).backward()
         opt.step()
         opt.zero_grad()
     return model.state_dict()
@@ -321,6 +379,18 @@ def test_blocks_stay_gathered_after_forward_only_without_reshard(request, case):
             else:
                 assert values is not None, f"{strategy}: {name} was freed after forward (rank {rank})"
                 assert torch.equal(values, initial[name]), (strategy, name)
+
+
+@pytest.mark.parametrize("mode", ["flat", "concat"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_unit_that_ran_only_under_no_sync_is_reduced_into_its_step(results, strategy, mode):
+    # b1 runs in step 0's first microbatch only (under no_sync): one process sums that gradient
+    # into step 0's update; a gradient left unreduced would be lost there and added to step 1's
+    reference = _branches_reference()
+    for rank, result in enumerate(results):
+        state = result["branches"][(strategy, mode)]
+        for key, value in reference.items():
+            assert (state[key] - value).abs().max().item() <= 1e-6, (strategy, mode, rank, key)
 
 
 # --- clip_grad_norm_ ----------------------------------------------------------------------------------------

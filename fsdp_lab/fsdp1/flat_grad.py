@@ -123,6 +123,11 @@ class FlatGrad:
         """Some but not all gradients arrived this backward (the rest count as zero)."""
         return self.expected > 0 and bool(self.arrived)
 
+    @property
+    def holds_unreduced(self) -> bool:
+        """A full gradient kept from earlier backwards (``no_sync``) waits for its reduce."""
+        return self.buffer is not None or bool(self.pending)
+
     # --- without sync: keep the full gradient ----------------------------------------------------
     def keep_unreduced(self) -> None:
         """Concat mode: build the flat gradient from the per-parameter ones (zeros where a

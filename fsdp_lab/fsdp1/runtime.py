@@ -434,6 +434,14 @@ class ShardedUnit(nn.Module):
             for index, handle in enumerate(unit._handles):
                 if handle.flat_grad is not None and handle.flat_grad.partly_arrived:
                     unit._post_backward(index)  # some parameters got no gradient: they count as zero
+        if self._shared.sync_gradients:
+            # a unit that ran only in microbatches under no_sync() still holds their gradient,
+            # which one process would sum into this step: reduce it now (left, it would be lost
+            # for this step and added to the next)
+            for unit in units:
+                for handle in unit._handles:
+                    if handle.flat_grad is not None and handle.flat_grad.holds_unreduced:
+                        self._shared.reduces.submit(handle.flat_grad)
         self._shared.reduces.drain()
         for unit in units:
             unit._reshard(unit._handles)
