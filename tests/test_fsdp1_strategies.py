@@ -23,6 +23,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from fsdp_lab import launch
 from fsdp_lab.models.data import global_batch, shard_batch
@@ -184,11 +185,43 @@ def _branches_run(strategy_name: str, mode: str) -> dict:
     return model.state_dict()
 
 
+class _CheckpointedTwice(torch.nn.Module):
+    """One unit called twice in forward, each call under activation checkpointing."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.blk, self.head = torch.nn.Linear(4, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.blk(t)), h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _checkpointed_twice_run(reentrant: bool) -> dict:
+    """One SGD step, the inner unit FULL_SHARD (freed after each forward, recomputed in backward)."""
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _CheckpointedTwice(reentrant)
+    model.blk = FSDP(model.blk)
+    model = FSDP(model)
+    x, y = _branch_batch(0, 0)
+    rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+    torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return model.state_dict()
+
+
 def run_rank() -> dict:
     return {"strategies": {s: _strategy_run(s) for s in STRATEGIES},
             "clip": {_key(t): _clip_run(t) for t in MAX_NORM},
             "ignored": _ignored_run(),
-            "branches": {(s, mode): _branches_run(s, mode) for s in STRATEGIES for mode in ("flat", "concat")}}
+            "branches": {(s, mode): _branches_run(s, mode) for s in STRATEGIES for mode in ("flat", "concat")},
+            "checkpointed_twice": {reentrant: _checkpointed_twice_run(reentrant) for reentrant in (False, True)}}
 
 
 def run_padded_rank() -> dict:
@@ -391,6 +424,19 @@ def test_a_unit_that_ran_only_under_no_sync_is_reduced_into_its_step(results, st
         state = result["branches"][(strategy, mode)]
         for key, value in reference.items():
             assert (state[key] - value).abs().max().item() <= 1e-6, (strategy, mode, rank, key)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_unit_called_twice_under_checkpointing_trains_like_one_process(results, reentrant):
+    # the second call is recomputed after the unit's backward began: its weights must stay gathered
+    model = _CheckpointedTwice(reentrant)
+    x, y = _branch_batch(0, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    for rank, result in enumerate(results):
+        state = result["checkpointed_twice"][reentrant]
+        for key, value in model.state_dict().items():
+            assert (state[key] - value).abs().max().item() <= 1e-6, (reentrant, rank, key)
 
 
 # --- clip_grad_norm_ ----------------------------------------------------------------------------------------

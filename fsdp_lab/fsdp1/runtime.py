@@ -369,7 +369,12 @@ class ShardedUnit(nn.Module):
             self.training_state = TrainingState.IDLE
         if self is self._root:
             self._shared.order_recorded = True
-        if not torch.is_grad_enabled() or (self._reshard_after_forward and self is not self._root):
+        # a checkpointed call recomputed after this unit's backward began (the unit is called
+        # more than once): that backward still needs the gathered weights, and its pre-backward
+        # hook does not gather again, so they stay until the unit's post-backward
+        in_own_backward = self.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST)
+        if not torch.is_grad_enabled() or (self._reshard_after_forward and self is not self._root
+                                           and not in_own_backward):
             self._reshard(self._handles)
         outputs = [t for t in tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled() and outputs:
