@@ -388,6 +388,8 @@ def test_extension_all_gathers_codes_and_scales(suite):
     # built on meta, sharded, never given memory: torch's "Cannot copy out of meta tensor" otherwise
     ("meta_forward", "0.weight is still on the meta device at the first forward: after fully_shard, call "
                      "model.to_empty(device=...)"),
+    # a container is never called: PyTorch's refuses it too (its forward would fail on mixed tensors)
+    ("module_list", "fully_shard cannot shard an nn.ModuleList: a container without forward is never called"),
 ])
 def test_misuse_is_named_with_the_fix(case, words):
     from fsdp_lab.fsdp2 import fully_shard
@@ -397,6 +399,8 @@ def test_misuse_is_named_with_the_fix(case, words):
             model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
             fully_shard(model)
             call = functools.partial(fully_shard, model[0])
+        elif case == "module_list":
+            call = functools.partial(fully_shard, nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
         else:
             with torch.device("meta"):
                 model = nn.Sequential(nn.Linear(4, 4))

@@ -75,7 +75,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     Returns ``module`` (now an ``FSDPModule``).
 
     Raises:
-        ValueError: the module is already an FSDPModule; a parameter is a DTensor (a module above it
+        ValueError: the module is already an FSDPModule, or an ``nn.ModuleList`` / ``nn.ModuleDict``
+            (never called itself); a parameter is a DTensor (a module above it
             was sharded first: shard bottom-up); a parameter is already managed by
             another ``fully_shard`` call; parameters on different devices; a mesh that is not
             1-D or 2-D over the whole world or whose device type differs from the parameters'.
@@ -117,6 +118,11 @@ def _check_args(modules, reshard_after_forward, mp_policy, offload_policy) -> No
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard takes an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):  # as PyTorch's: its hooks would never run
+            raise ValueError(f"fully_shard cannot shard an nn.{type(m).__name__}: a container without forward is "
+                             "never called, so nothing would gather its parameters. Shard each module in it "
+                             "(for block in model.layers: fully_shard(block)), or pass its modules as one "
+                             "group (fully_shard(list(model.layers)))")
         if isinstance(m, FSDPModule):
             raise ValueError(f"{type(m).__name__} is already sharded by fully_shard; call it once per module")
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
