@@ -180,3 +180,15 @@ def test_pytorch_methods_we_lack_name_themselves_not_the_wrapped_module(name, in
     with pytest.raises(NotImplementedError, match=f"FullyShardedDataParallel.{name} is PyTorch's and not "
                                                    f"implemented here: .*{instead}"):
         getattr(FSDP, name)(None, None)
+
+
+def test_indexing_reaches_the_wrapped_sequential():
+    # PyTorch's FSDP1 forwards indexing: FSDP(nn.Sequential(...))[0] is the first layer
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    with fsdp_lab.simulated_world(2):
+        seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        model = FSDP(seq)
+        assert model[0] is seq[0] and isinstance(model[1], torch.nn.ReLU) and len(model[:1]) == 1
+        with pytest.raises(TypeError, match="not subscriptable"):
+            FSDP(torch.nn.Linear(4, 4))[0]

@@ -221,6 +221,11 @@ class FullyShardedDataParallel(ShardedUnit):
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
+    def __getitem__(self, key: Any) -> Any:
+        """Index the wrapped module (an ``nn.Sequential``'s ``model[0]``), as PyTorch's FSDP1 does.
+        Raises what the wrapped module raises (TypeError when it cannot be indexed)."""
+        return self._fsdp_wrapped_module[key]
+
     def named_parameters(self, *args, **kwargs) -> Iterator[tuple[str, nn.Parameter]]:
         """Original names (no ``_fsdp_wrapped_module.``) and the original Parameter objects,
         whose ``.data`` is this rank's 1-D slice (possibly empty) outside forward."""
