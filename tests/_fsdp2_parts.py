@@ -163,7 +163,7 @@ def _part_extension():
 
 def _part_vs_torch():
     """PyTorch's fully_shard on an identical model: fp32; bf16 params with an fp32 reduce; bf16
-    params with the default reduce dtype."""
+    params with the default reduce dtype; an fp32 model reduced and accumulated in bf16."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -174,14 +174,20 @@ def _part_vs_torch():
     bf16 = torch.bfloat16
     # "bf16_default": ours with no reduce_dtype reduces in param_dtype, as PyTorch's did up to
     # 2.14 (2.15 reduces in the parameter's own dtype instead), so torch's is told so explicitly
-    for name, ours_mp, torch_mp in [("fp32", MixedPrecisionPolicy(), TorchMP()),
-                                    ("bf16", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
-                                     TorchMP(param_dtype=bf16, reduce_dtype=torch.float32)),
-                                    ("bf16_default", MixedPrecisionPolicy(param_dtype=bf16),
-                                     TorchMP(param_dtype=bf16, reduce_dtype=bf16))]:
+    # "reduce_bf16_accum": an fp32 model reduced in bf16 over two microbatches without sync in
+    # between; with main_grads_dtype=None ours keeps them in bf16 as PyTorch's does, each added in
+    # with one rounding
+    accumulate = dict(accum=2, sync_every_micro=False)
+    for name, ours_mp, torch_mp, train in [
+            ("fp32", MixedPrecisionPolicy(), TorchMP(), {}),
+            ("bf16", MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
+             TorchMP(param_dtype=bf16, reduce_dtype=torch.float32), {}),
+            ("bf16_default", MixedPrecisionPolicy(param_dtype=bf16), TorchMP(param_dtype=bf16, reduce_dtype=bf16), {}),
+            ("reduce_bf16_accum", MixedPrecisionPolicy(reduce_dtype=bf16, main_grads_dtype=None),
+             TorchMP(reduce_dtype=bf16), accumulate)]:
         for impl, fs, mp in [("ours", fully_shard, ours_mp), ("torch", torch_fully_shard, torch_mp)]:
             model = _shard_llama(Llama(_config(), seed=0), fs, mp_policy=mp)
-            losses = _train(model, dist.get_rank(), dist.get_world_size())
+            losses = _train(model, dist.get_rank(), dist.get_world_size(), **train)
             local = _local_state(model)
             out[f"vs_torch_{name}_{impl}"] = {"losses": losses, "local": local}
     return out

@@ -329,7 +329,8 @@ class FSDPParam:
             self._unsharded_param.grad = None
         if self.unsharded_accumulated_grad is not None:
             acc, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
-            grad = acc if grad is None else acc.add_(grad.to(acc.dtype))
+            # added as it is, rounded once into acc's dtype (PyTorch's ``acc += grad``), not cast first
+            grad = acc if grad is None else acc.add_(grad)
         return grad
 
     def accumulate_unsharded_grad(self) -> None:
@@ -341,7 +342,7 @@ class FSDPParam:
         if self.unsharded_accumulated_grad is None:
             self.unsharded_accumulated_grad = tag(grad.to(dtype, copy=grad.dtype != dtype), "unsharded_grads")
         else:
-            self.unsharded_accumulated_grad.add_(grad.to(dtype))
+            self.unsharded_accumulated_grad.add_(grad)  # one rounding, as above
 
     def padded_unsharded_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` with dim 0 padded to ``world_size * padded_rows`` (a copy only when padding is needed)."""
