@@ -128,8 +128,9 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
     less under QLoRA), ``blocks`` (all L), ``final_norm``, ``loss`` (what the loss keeps: its
     log-softmax output, 4TV, and the int64 labels, 8T, which are also given alone as
     ``labels``), ``input_ids`` (the int64 ids the embedding saves, 8T), ``total``; plus
-    ``recompute`` (one block's activations rebuilt in backward under checkpointing, else 0)
-    and ``backward_transient``. Formula in the module docstring.
+    ``recompute`` (one block's activations rebuilt in backward under checkpointing, else 0),
+    ``kept_per_block`` (what one block after the first keeps until its backward) and
+    ``backward_transient``. Formula in the module docstring.
 
     ``lora_rank`` > 0 means QLoRA: only the adapters train, so a norm's weight is frozen and
     its normalised output is not saved for the weight's gradient (e*T*d less per norm), and
@@ -156,7 +157,7 @@ def activation_bytes(config: LlamaConfig, batch_size: int, seq_len: int, dtype=t
              "blocks": (config.n_layers - 1) * kept + kept_first, "final_norm": final_norm,
              "labels": 8 * T, "loss": 4 * T * V + 8 * T, "input_ids": 0 if lora_rank else 8 * T,
              "recompute": (block if config.n_layers > 1 else first_block) if activation_checkpointing else 0,
-             "backward_transient": 2 * e * T * f}
+             "backward_transient": 2 * e * T * f, "kept_per_block": kept}
     parts["total"] = parts["blocks"] + parts["final_norm"] + parts["loss"] + parts["input_ids"]
     return parts
 
@@ -432,14 +433,24 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
                                        unsharded_grads=int(root_grad * g + layer_grad * g),
                                        comm_buffers=int(layer_grad * g), temporaries=bwd_temp)
         else:
-            # FSDP2's gradients arrive one parameter at a time: when the last block's backward
-            # starts (every activation alive) it holds one of that block's gradients, and the next
-            # block's prefetched all-gather is still its flat output buffer; the block's whole
-            # gradient and its reduce-scatter input come once its activations are freed
+            # FSDP2's gradients arrive one parameter at a time. Two moments compete for the peak:
+            # the last block's backward start (every activation alive, one of its gradients, the
+            # next block's prefetched all-gather still in its flat output buffer), and the end of
+            # the next block's backward (two blocks' activations freed; its whole gradient beside
+            # the last block's reduce-scatter, input and output, still in flight: a group's hook
+            # waits for the previous one only when it issues its own)
             prefetched = 0 if keep_unsharded else int(layer_gathered * c) + layer_quant
-            phases["backward"] = phase(activations=bwd_acts, unsharded_params=gathered - prefetched,
-                                       unsharded_grads=int((head_grad + block_grad) * g),
-                                       comm_buffers=prefetched, temporaries=bwd_temp)
+            start = phase(activations=bwd_acts, unsharded_params=gathered - prefetched,
+                          unsharded_grads=int((head_grad + block_grad) * g),
+                          comm_buffers=prefetched, temporaries=bwd_temp)
+            in_flight = int(layer_grad * g)
+            second_end = phase(activations=bwd_acts - acts["recompute"] - 2 * acts["kept_per_block"],
+                               unsharded_params=gathered - prefetched,
+                               unsharded_grads=int((head_grad + layer_grad) * g),
+                               comm_buffers=prefetched + in_flight, temporaries=dequant_temp,
+                               **{grad_cat: 0 if cpu_offload else math.ceil(in_flight / shards)})
+            phases["backward"] = max(start, second_end, key=lambda b: sum(b.values())) \
+                if config.n_layers > 1 else start
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
                                        unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
                                        unsharded_grads=int((root_grad if flat else emb_grad) * g + layer_grad * g),
