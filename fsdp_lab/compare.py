@@ -323,8 +323,9 @@ class CompareResult(list):
         """Milliseconds per phase (mean over ranks) of the last step, one line per run."""
         names = list(names) if names is not None else [r["name"] for r in self]
         phases = ("forward", "backward", "optimizer", "other_compute", "exposed_comm", "idle", "window")
-        width = max(len(n) for n in names + ["run"])
-        lines = ["run".ljust(width) + "".join(p.rjust(14) for p in phases)]
+        head = "run (ms per rank)"
+        width = max(len(n) for n in names + [head])
+        lines = [head.ljust(width) + "".join(p.rjust(14) for p in phases)]
         for name in names:
             summary = self.row(name)["phases"]
             means = [1e3 * sum(s[p] for s in summary.values()) / len(summary) for p in phases]

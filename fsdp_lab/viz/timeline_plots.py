@@ -107,7 +107,8 @@ def plot_phase_breakdown(runs: dict, ax=None, *, rank: int | None = None, title:
     ax.set_yticklabels(labels)
     ax.invert_yaxis()
     ax.set_xlabel("time per rank (ms)")
-    ax.legend(loc="lower right", fontsize=7, ncol=3)
+    # beside the bars, not over them: the longest bar reaches the right edge
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     if title:
         ax.set_title(title)
     return fitted(ax)

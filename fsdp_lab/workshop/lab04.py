@@ -347,10 +347,15 @@ def draw_step(runs, title: str):
     plot_timeline(Timeline.merge([r["timeline"] for r in runs]), ax=a, title=title)
     units_ = list(samples[0][1])
     grid = [[s[1][u] / 2**20 for s in samples] for u in units_]
-    im = b.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest")
-    b.set_yticks(range(len(units_)), units_)
+    most = max((v for row in grid for v in row), default=0.0)
+    # vmin 0: the scale starts at nothing gathered (an all-zero grid would get -0.1 to 0.1 MiB)
+    im = b.imshow(grid, aspect="auto", cmap="Blues", interpolation="nearest", vmin=0, vmax=most or 1.0)
+    b.set_yticks(range(len(units_)), units_, fontsize=7 if len(units_) <= 8 else max(3, 56 // len(units_)))
     b.set_xticks(list(xs), [])
     b.set_title("rank 0: which units are gathered (unsharded parameters, MiB)")
+    if not most:  # NO_SHARD, or one rank: every rank holds whole parameters
+        b.text(0.5, 0.5, "nothing is gathered: each rank holds every parameter whole", transform=b.transAxes,
+               ha="center", va="center", fontsize=10)
     fig.colorbar(im, ax=b, pad=0.01)
     cats = [k for k in COLORS_BESIDE_TIMELINE if any(s[2].get(k, 0) for s in samples)]
     c.stackplot(list(xs), *[[s[2].get(k, 0) / 2**20 for s in samples] for k in cats],

@@ -130,6 +130,26 @@ def _by_implementation(names: list[str]) -> list[tuple[str, list[str]]]:
     return [("fsdp2", names[:len(OPTIMIZERS)]), ("fsdp1", names[len(OPTIMIZERS):])]
 
 
+def draw_two_runs(table, run_a: str, run_b: str):
+    """(Figure, text) of section 11's explorer: the timelines of two runs of the ``compare``
+    ``table``, one above the other on one time scale (ms), their phase breakdown, and the phase
+    table (ms per rank). Raises KeyError for a run the table lacks."""
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.viz import plot_phase_breakdown, plot_timeline
+
+    fig, axes = plt.subplots(3, 1, figsize=(12.5, 8.5), gridspec_kw={"height_ratios": [2, 2, 1]})
+    for ax, name in zip(axes, [run_a, run_b]):
+        plot_timeline(table.timelines[name], ax=ax, title=f"{name} (overlap {table.row(name)['overlap']:.2f})",
+                      legend_outside=True)
+    right = max(ax.get_xlim()[1] for ax in axes[:2])  # one time scale: the shorter run looks shorter
+    for ax in axes[:2]:
+        ax.set_xlim(0, right)
+    plot_phase_breakdown({run_a: table.timelines[run_a], run_b: table.timelines[run_b]}, ax=axes[2])
+    fig.tight_layout()
+    return fig, table.phase_table([run_a, run_b])
+
+
 def print_optimizer_times(repeats, names: list[str], labels: dict[str, str]) -> None:
     """Print each run's optimizer-step time (ms, mean ± sd over ``repeats``) and, per
     implementation (the first three ``names`` FSDP2, the rest FSDP1: for_loop, foreach, fused),
