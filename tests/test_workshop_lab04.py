@@ -233,3 +233,23 @@ def test_widget_offers_hybrid_shard_only_on_worlds_it_splits(monkeypatch):
     assert tuple(controls["world_size"].options) == (4,) and controls["world_size"].value == 4
     controls["strategy"].value = "NO_SHARD"
     assert tuple(controls["world_size"].options) == (1, 2, 4) and controls["world_size"].value == 4
+
+
+def test_the_gathered_units_map_starts_at_zero_and_says_when_nothing_is_gathered():
+    # NO_SHARD (or one rank) gathers nothing: the map once read -0.1 to 0.1 MiB of a uniform blue
+    import matplotlib.pyplot as plt
+
+    from fsdp_lab.timeline import Timeline
+
+    with Timeline() as timeline:
+        with timeline.span("forward"):
+            pass
+    samples = [(f"forward layers.{i} start", {"root": 0, "layers.0": 0}, {"sharded_params": 2**20}) for i in range(3)]
+    fig = lab04.draw_step([{"timeline": timeline, "samples": samples}], "NO_SHARD")
+    heat = fig.axes[1]
+    assert heat.images[0].get_clim()[0] == 0
+    assert any("nothing is gathered" in t.get_text() for t in heat.texts)
+    gathered = [(label, {"root": 2**20, "layers.0": 0}, memory) for label, _, memory in samples]
+    fig = lab04.draw_step([{"timeline": timeline, "samples": gathered}], "FULL_SHARD")
+    assert fig.axes[1].images[0].get_clim() == (0, 1.0) and not fig.axes[1].texts
+    plt.close("all")

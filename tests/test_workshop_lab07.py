@@ -200,3 +200,17 @@ def test_repeats_agree_only_when_counts_bytes_and_loss_repeat():
     assert lab07.repeats_agree([first, Run(step_ms=9.0)], first, ["a", "b"])  # times may differ
     for key in lab07.REPEATED_EXACTLY:
         assert not lab07.repeats_agree([first, Run(**{key: 2})], first, ["a"])
+
+
+def test_two_runs_are_drawn_on_one_time_scale_with_the_phase_table_in_ms(table):
+    import matplotlib.pyplot as plt
+
+    names = [row["name"] for row in table][:2]
+    fig, text = lab07.draw_two_runs(table, *names)
+    first, second = fig.axes[0].get_xlim(), fig.axes[1].get_xlim()
+    assert first == second and first[0] == 0  # the shorter run looks shorter
+    longest = max(max(e.t_end for e in table.timelines[n].events) - min(e.t_start for e in table.timelines[n].events)
+                  for n in names)
+    assert first[1] >= 1e3 * longest * 0.999  # both runs fit (ms)
+    assert text.splitlines()[0].startswith("run (ms per rank)") and all(n in text for n in names)
+    plt.close("all")
