@@ -252,13 +252,12 @@ CELLS = [
     md("""
     A collective's buffers are given back the moment it is waited for (`fsdp_lab.collectives.release`),
     not whenever gloo's worker thread lets go of them, so every number above is the same on every run and on
-    both ranks. At its peak the estimator models the bytes in flight for collectives as one block's
-    reduce-scatter input, in `comm_buffers`, and no `temporaries`. How the tracker splits such bytes between
-    the two categories depends on the implementation: `comm_buffers` holds what FSDP2 tags (its flat
-    all-gather and reduce-scatter buffers), but on gloo `fsdp_lab.collectives.reduce_scatter_tensor` is an
-    all-to-all into a receive buffer followed by a local sum, and those two allocations carry no tag, so
-    they count as `temporaries`. The table below therefore sets the sum of the two beside the estimate, and
-    every other category on its own:
+    both ranks. FSDP2 tags its collectives' buffers `comm_buffers`: a prefetched all-gather's flat output
+    (this rank's shard was copied into its own rows of it) and a reduce-scatter's flat input, which gloo
+    sums in place chunk by chunk, so no untagged receive buffer appears. At its peak the estimator counts
+    no `temporaries`, while a real step always has some (gradients of activations on their way through a
+    block), so the table below sets the sum of the two beside the estimate, and every other category on
+    its own:
     """),
     code("""
     stable = [c for c in CATEGORIES if c not in ("temporaries", "comm_buffers")]
@@ -276,22 +275,25 @@ CELLS = [
           f"{r0.peak['activations'] / MiB:.3f} at the measured peak, {r0.max_by_category['activations'] / MiB:.3f} "
           f"at their own maximum (end of forward)")
     print(f"comm_buffers + temporaries at the peak: estimate {flight(est2):.3f} MiB (comm_buffers "
-          f"{est2['comm_buffers'] / MiB:.3f}: one block's reduce-scatter input; temporaries "
+          f"{est2['comm_buffers'] / MiB:.3f}: the next block's prefetched all-gather; temporaries "
           f"{est2['temporaries'] / MiB:.3f}), measured {flight(r0.peak):.3f} MiB (comm_buffers "
           f"{r0.peak['comm_buffers'] / MiB:.3f}, temporaries {r0.peak['temporaries'] / MiB:.3f})")
+    freed = est2["activations"] - r0.peak["activations"]
+    final_norm, w2_input = activation_bytes(cfg, 2, 64)["final_norm"], 2 * 64 * cfg.ffn_hidden * 4
+    print(f"activations freed by the measured peak: {freed:,} B = the final norm's {final_norm:,} B + the "
+          f"{w2_input:,} B the last block's w2 saved: {freed == final_norm + w2_input}")
     """),
     md("""
-    The totals are close here (the `total` row); the categories are not, because the two peaks are
-    different moments. The estimator puts
-    the peak at the start of backward: every block's activations alive, the root's parameters gathered
-    beside one block and its prefetched successor, one block's reduce-scatter buffer. The measured peak falls later, inside backward (the label above): the
-    activations of the blocks already differentiated are freed, but the communication buffers of more than
-    one group are alive together (`comm_buffers`: the next block's prefetched all-gather beside the previous
-    block's reduce-scatter, each held until it is waited for), with `temporaries` beside them. Compared at the same moment, the end of forward, estimated and
-    measured activations agree but for the loss's labels (8 bytes a token), which the estimator already
-    counts as freed there (printed above). The estimator's single reduce-scatter buffer is an
-    under-estimate for this implementation; its total is close here because the activations it counts at
-    its own peak make up for it.
+    The totals are close here (the `total` row), and so is every category but activations and temporaries:
+    the estimator's `backward` phase is the moment the measured peak comes after (the label above), the
+    start of the last block's backward. Every block's activations are alive, the root's parameters are
+    gathered beside that block, the next block's prefetched all-gather waits in `comm_buffers`, and the
+    head's gradient (output and final norm) is there with the block's first gradient (its `w2`, the last
+    linear of its forward). The measured peak is a moment into that backward: the final norm's saved tensors
+    and the input `w2` saved are freed by then (the last line above adds them up), and the block's first
+    activation gradients sit in `temporaries`. Compared at the same moment, the end of forward, estimated
+    and measured activations agree but for the loss's labels (8 bytes a token), which the estimator already
+    counts as freed there (printed above).
     """),
     md("""
     ## 7. A simulated world of 8
@@ -358,9 +360,10 @@ CELLS = [
     md("""
     Model states agree to the byte, in both simulated runs. The peaks differ by how many gathered blocks,
     gradient buffers and temporaries are alive at the same moment: the estimator adds up its assumptions for
-    each phase (a block and its prefetched successor gathered, full block gradients beside the reduce-scatter
-    input) and takes the largest phase, while the measured peak is whatever moment of the real step holds the
-    most. That makes the estimate neither an upper nor a lower bound: the two ratios printed above
+    each phase (in backward, the larger of two moments: the last block's backward start, and the next block's
+    end, where its whole gradient waits beside the last block's reduce-scatter, still in flight, and a
+    prefetched all-gather) and takes the largest phase, while the measured peak is whatever moment of the
+    real step holds the most. That makes the estimate neither an upper nor a lower bound: the two ratios printed above
     (measured / estimated) are these runs', and over the 36 configurations of
     `benchmarks/estimate_vs_measured.py` (docs/memory.md) it lands on both sides of the measurement.
     `est_big.phases` shows every phase.

@@ -270,8 +270,8 @@ CELLS = [
             print(f"{label:32} {snap.get('unsharded_params', 0) / 2**20:17.3f} "
                   f"{snap.get('comm_buffers', 0) / 2**20:13.3f} {snap.get('sharded_grads', 0) / 2**20:14.3f}")
     block_mib = sum(p.numel() for p in Llama("cpu", seed=0).layers[0].parameters()) * 4 / 2**20
-    print(f"one block: {block_mib:.3f} MiB gathered, {block_mib / 2:.3f} MiB shard per rank; the buffers of "
-          f"its all-gather (copy-in input + output): {1.5 * block_mib:.3f} MiB")
+    print(f"one block: {block_mib:.3f} MiB gathered, {block_mib / 2:.3f} MiB shard per rank; the buffer of "
+          f"its all-gather (the output, whose rank-0 rows are the copy-in input): {block_mib:.3f} MiB")
     """),
     md("""
     The table is the figure's samples at the blocks' boundaries. In forward, `unsharded_params` is the root
@@ -279,8 +279,10 @@ CELLS = [
     its end: each block is gathered before its forward and freed after it. In backward `unsharded_params`
     holds one block beside the root at each of these moments, but that block is not the only one on the
     rank. Its pre-backward hook has already issued the next block's all-gather (the prefetch), and from
-    `layers.3` to `layers.1` that all-gather's input and output, a shard plus a whole block (the last line),
-    wait in `comm_buffers` until the next block's backward starts and copies the parameters out. So in
+    `layers.3` to `layers.1` that all-gather's output, a whole block (the last line), waits in
+    `comm_buffers` until the next block's backward starts and copies the parameters out. (The rank's own
+    shard was copied into its rows of that output, the all-gather's input, as PyTorch's FSDP2 does: no
+    second buffer.) So in
     backward a rank holds about two blocks' parameters, as FSDP1 does with `BACKWARD_PRE` (lab 04, section
     4), counted here in two categories. From `layers.2` on, the block before's gradients wait in
     `comm_buffers` too, as its reduce-scatter's input (one block more), and `sharded_grads` grow block by
@@ -395,7 +397,8 @@ CELLS = [
     ## 9. Copy-in and copy-out of one group
 
     One all-gather serves a whole group. **Copy-in**: concatenate every parameter's padded shard into one
-    flat buffer. After `all_gather_into_tensor` the output holds `world` such buffers, rank after rank.
+    flat buffer (fsdp_lab, as PyTorch's FSDP2, writes it straight into this rank's rows of the output
+    buffer, the all-gather's input, so no second buffer is held). After `all_gather_into_tensor` the output holds `world` such buffers, rank after rank.
     **Copy-out**: cut each parameter's columns back out of every rank's buffer, stack them (rank-major)
     into the padded full parameter, and drop the padding rows. `shards` are this rank's padded shards (each
     `(ceil(rows/W), *rest)`); `gathered` is the flat all-gather output; `shapes` are the original shapes.

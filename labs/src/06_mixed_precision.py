@@ -452,7 +452,12 @@ CELLS = [
         fields = dict(param_dtype=DTYPES[param_dtype], grad_comm_dtype=DTYPES[comm],
                       main_grads_dtype=DTYPES[main_grads], main_params_dtype=None if main_params == "native" else FP32)
         run = fsdp_lab.launch(train_policy, fields, steps, main_params == "native", world_size=2)[0]
-        return lab06.draw_policy_run(run)
+        fig, text = lab06.draw_policy_run(run)
+        used = accumulation_dtype(DTYPES[main_grads], DTYPES[param_dtype], DTYPES[comm])
+        if used != DTYPES[main_grads]:  # e.g. float16 compute with bfloat16 chosen: neither holds the other
+            text += (f"\\naccumulated in {str(used).removeprefix('torch.')}, not {main_grads}: never narrower than "
+                     f"the {param_dtype} gradient (torch.promote_types)")
+        return fig, text
 
     fig, text = render()
     print(text)

@@ -33,7 +33,7 @@ CELLS = [
     fsdp_lab.start_fork_server()   # launch forks ranks from it; it loads torch now, while the cells run
     from fsdp_lab.compare import compare
     from fsdp_lab.models.llama import Llama
-    from fsdp_lab.viz import plot_phase_breakdown, plot_timeline
+    from fsdp_lab.viz import plot_timeline
     from fsdp_lab.viz.widgets import Explorer
     from fsdp_lab.workshop import lab_files, lab07
     from fsdp_lab.workshop.repeats import Repeats, spread
@@ -422,13 +422,7 @@ CELLS = [
     """),
     code("""
     def render(run_a, run_b):
-        fig, axes = plt.subplots(3, 1, figsize=(12.5, 8.5), gridspec_kw={"height_ratios": [2, 2, 1]})
-        for ax, name in zip(axes, [run_a, run_b]):
-            plot_timeline(table.timelines[name], ax=ax, title=f"{name} (overlap {table.row(name)['overlap']:.2f})",
-                          legend_outside=True)
-        plot_phase_breakdown({run_a: table.timelines[run_a], run_b: table.timelines[run_b]}, ax=axes[2])
-        fig.tight_layout()
-        return fig, table.phase_table([run_a, run_b])
+        return lab07.draw_two_runs(table, run_a, run_b)
 
     fig, text = render("fsdp1 block pre", "fsdp2 block")
     files.savefig(fig, "explorer_default.png", dpi=90, bbox_inches="tight")
