@@ -433,24 +433,20 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
                                        unsharded_grads=int(root_grad * g + layer_grad * g),
                                        comm_buffers=int(layer_grad * g), temporaries=bwd_temp)
         else:
-            # FSDP2's gradients arrive one parameter at a time. Two moments compete for the peak:
-            # the last block's backward start (every activation alive, one of its gradients, the
-            # next block's prefetched all-gather still in its flat output buffer), and the end of
-            # the next block's backward (two blocks' activations freed; its whole gradient beside
-            # the last block's reduce-scatter, input and output, still in flight: a group's hook
-            # waits for the previous one only when it issues its own)
+            # FSDP2's gradients arrive one parameter at a time. Two moments of the last block's
+            # backward compete for the peak: its start (every activation alive, one of its
+            # gradients, the next block's prefetched all-gather still in its flat output buffer),
+            # and its post-backward (its activations freed, its whole gradient being copied into
+            # its reduce-scatter input, the block still gathered)
             prefetched = 0 if keep_unsharded else int(layer_gathered * c) + layer_quant
             start = phase(activations=bwd_acts, unsharded_params=gathered - prefetched,
                           unsharded_grads=int((head_grad + block_grad) * g),
                           comm_buffers=prefetched, temporaries=bwd_temp)
-            in_flight = int(layer_grad * g)
-            second_end = phase(activations=bwd_acts - acts["recompute"] - 2 * acts["kept_per_block"],
-                               unsharded_params=gathered - prefetched,
-                               unsharded_grads=int((head_grad + layer_grad) * g),
-                               comm_buffers=prefetched + in_flight, temporaries=dequant_temp,
-                               **{grad_cat: 0 if cpu_offload else math.ceil(in_flight / shards)})
-            phases["backward"] = max(start, second_end, key=lambda b: sum(b.values())) \
-                if config.n_layers > 1 else start
+            end = phase(activations=bwd_acts - acts["recompute"] - acts["kept_per_block"],
+                        unsharded_params=gathered - prefetched,
+                        unsharded_grads=int((head_grad + layer_grad) * g),
+                        comm_buffers=prefetched + int(layer_grad * g), temporaries=dequant_temp)
+            phases["backward"] = max(start, end, key=lambda b: sum(b.values()))
         phases["backward_end"] = phase(activations=acts["last_block"] + acts["input_ids"],
                                        unsharded_params=root_numel * c + int(layer_gathered * c) + layer_quant,
                                        unsharded_grads=int((root_grad if flat else emb_grad) * g + layer_grad * g),

@@ -360,10 +360,9 @@ CELLS = [
     md("""
     Model states agree to the byte, in both simulated runs. The peaks differ by how many gathered blocks,
     gradient buffers and temporaries are alive at the same moment: the estimator adds up its assumptions for
-    each phase (in backward, the larger of two moments: the last block's backward start, and the next block's
-    end, where its whole gradient waits beside the last block's reduce-scatter, still in flight, and a
-    prefetched all-gather) and takes the largest phase, while the measured peak is whatever moment of the
-    real step holds the most. That makes the estimate neither an upper nor a lower bound: the two ratios printed above
+    each phase (in backward, the larger of two moments of the last block's backward: its start, and its end,
+    where its whole gradient is copied into its reduce-scatter input beside the prefetched next block) and
+    takes the largest phase, while the measured peak is whatever moment of the real step holds the most. That makes the estimate neither an upper nor a lower bound: the two ratios printed above
     (measured / estimated) are these runs', and over the 36 configurations of
     `benchmarks/estimate_vs_measured.py` (docs/memory.md) it lands on both sides of the measurement.
     `est_big.phases` shows every phase.
