@@ -72,13 +72,20 @@ def _run_shard(answer):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_llama()
-    result = answer(model)
+    try:
+        result = answer(model)
+    except ValueError as error:
+        # fully_shard refuses a container at once (as PyTorch's does): it is never called itself, so
+        # the hooks it would get never run. The model's containers are named for the verdict.
+        if "fully_shard cannot shard an nn." not in str(error):
+            raise
+        containers = [(name, type(m).__name__) for name, m in model.named_modules()
+                      if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+        return {"containers": containers, "groups": [], "plain": [], "unsharded_layers": [], "losses": None,
+                "n_layers": len(model.model.layers)}
     model = result if isinstance(result, torch.nn.Module) else model
     groups = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]   # "" is the root
-    # a container is never called, so the hooks fully_shard puts on it never run
-    containers = [(name, "ModuleList" if isinstance(m, torch.nn.ModuleList) else "ModuleDict")
-                  for name, m in model.named_modules()
-                  if isinstance(m, FSDPModule) and isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+    containers = []
     plain = [n for n, p in model.named_parameters() if type(p).__name__ != "DTensor"]
     unsharded_layers = [i for i, layer in enumerate(model.model.layers) if not isinstance(layer, FSDPModule)]
     losses = train_losses(model, rank, world) if not plain and not containers else None
@@ -107,6 +114,12 @@ def check_shard_hf_model(shard_hf_model):
     """Run ``shard_hf_model`` on 2 ranks, train, compare with one process."""
     out = launch(_run_shard, shard_hf_model, world_size=WORLD, timeout=CHECK_TIMEOUT)[0]
     groups, plain = out["groups"], out["plain"]
+    if out["containers"]:
+        listed = " or ".join(f"model.{name} is a {kind}" for name, kind in out["containers"])
+        name = f"model.{out['containers'][0][0]}"
+        return mistake("container", f"fully_shard refused a container: {listed}, a container of modules that is "
+                                    "never called itself, so the hooks fully_shard would put on it would never "
+                                    f"run; fully_shard each layer in {name} instead, then the model")
     if not groups:
         return mistake("not_sharded", "no module of the model became an FSDPModule; call "
                                       "fully_shard on the decoder layers and on the model")
@@ -121,12 +134,6 @@ def check_shard_hf_model(shard_hf_model):
         return mistake("root_not_sharded",
                        f"{len(plain)} parameter(s) not sharded: {listed}. The embeddings, final norm and "
                        "lm_head belong to the root; call fully_shard(model) last")
-    if out["containers"]:
-        name, kind = out["containers"][0]
-        name = f"model.{name}"
-        return mistake("container", f"{name} is a {kind}, a container of modules that is never called itself, so the hooks fully_shard put on it never run "
-                                    "and its parameters stay sharded when the layers use them; fully_shard each "
-                                    f"layer in {name} instead")
     if groups == [""]:
         return mistake("one_group", "only the root is a parameter group: the whole model is all-gathered at "
                                     "once, so no rank ever holds less than the full model; shard each decoder "
