@@ -219,10 +219,11 @@ def test_a_run_button_explorer_marks_its_figure_out_of_date_when_a_control_chang
 
     from fsdp_lab.viz.widgets import STALE_CLASS, Explorer
 
-    renders = []
+    renders, shown_while_rendering = [], []
 
     def render(n):
         renders.append(n)
+        shown_while_rendering.append(ex.stale.value)
         fig, ax = plt.subplots()
         ax.bar([0], [n])
         return fig, f"n = {n}"
@@ -234,6 +235,7 @@ def test_a_run_button_explorer_marks_its_figure_out_of_date_when_a_control_chang
     assert renders == [1] and ex.last_text == "n = 1" and STALE_CLASS in ex.stale.value
     ex.button.click()
     assert renders == [1, 3] and ex.last_text == "n = 3" and ex.stale.value == ""
+    assert all("running" in shown for shown in shown_while_rendering)  # the figure below is the last one
     plt.close("all")
 
 

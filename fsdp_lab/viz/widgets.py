@@ -66,6 +66,8 @@ class Explorer:
     def update(self) -> None:
         """Run ``render`` with the current control values and show its figure."""
         self.button.disabled = True
+        # said while a render (ranks launched, a step trained) runs: the figure below is the last one
+        self.stale.value = "<i>running...</i>"
         try:
             self._draw(self.render(**self.values()))
         except Exception as error:  # shown to the learner, not raised into the event loop

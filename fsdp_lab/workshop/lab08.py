@@ -408,7 +408,8 @@ def draw_7b_states(per_rank: dict, block_nf4: float, block_bf16: float, world_si
     from fsdp_lab.viz.memory_plots import plot_breakdown
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    plot_breakdown({f"{world_size} ranks": per_rank}, ax=axes[0], unit="GiB", title="Llama-2-7B per rank (bf16)")
+    plot_breakdown({f"{world_size} rank{'s' if world_size > 1 else ''}": per_rank}, ax=axes[0], unit="GiB",
+                   title="Llama-2-7B per rank (bf16)")
     axes[1].bar(["NF4", "bf16"], [block_nf4 / 2**20, block_bf16 / 2**20], color=["tab:purple", "tab:gray"])
     gathered = world_size > 1   # one rank holds every block whole: nothing is gathered
     axes[1].set_ylabel("MiB per block all-gather" if gathered else "MiB per block")

@@ -186,7 +186,7 @@ CELLS = [
 
     Pick a world size and a collective; the widget launches the ranks and draws who holds what. Widget
     state is not saved in the notebook, so a saved copy shows nothing here until the cell runs; section 3's
-    figure is the same drawing for an all-reduce on 4 ranks.
+    figure is the same kind of drawing, for an all-reduce on 4 ranks of other numbers.
     """),
     code("""
     def run_collective(op):
@@ -204,11 +204,11 @@ CELLS = [
     def render(world_size, op):
         out = fsdp_lab.launch(run_collective, op, world_size=world_size)
         axes = plot_collective(op, [x for x, _ in out], [y for _, y in out])
-        return axes[0].figure, f"{op} on {world_size} ranks"
+        return axes[0].figure, f"{op} on {world_size} rank{'s' if world_size > 1 else ''}"
 
     from fsdp_lab.viz.widgets import Explorer
     explorer = Explorer(
-        {"world_size": widgets.IntSlider(value=2, min=1, max=4, description="world size"),
+        {"world_size": widgets.IntSlider(value=2, min=1, max=4, description="world size", continuous_update=False),
          "op": widgets.Dropdown(options=["all_reduce", "all_gather", "broadcast"], description="collective")},
         render, title="Launch N ranks")
     explorer.show();

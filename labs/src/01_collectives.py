@@ -265,13 +265,15 @@ CELLS = [
         events = tl.comm_events(rank=0)
         seconds = sorted(e.duration for e in events)[len(events) // 2]
         algbw, busbw = bandwidth.bus_bandwidth(op, events[0].bytes, seconds, world_size)
-        ax = plot_timeline(tl, title=f"{op}, {events[0].bytes / 1024:.0f} KiB, {world_size} ranks")
+        ax = plot_timeline(tl, title=f"{op}, {events[0].bytes / 1024:.0f} KiB, {world_size} ranks",
+                           legend_outside=True)
         return ax.figure, f"median {seconds * 1e3:.3f} ms | algbw {algbw / 1e9:.3f} GB/s | busbw {busbw / 1e9:.3f} GB/s"
 
     explorer = Explorer(
         {"op": widgets.Dropdown(options=["all_gather", "reduce_scatter", "all_reduce"], description="collective"),
          "size_kib": widgets.SelectionSlider(options=[64, 256, 1024, 4096], value=1024, description="KiB"),
-         "world_size": widgets.IntSlider(value=2, min=2, max=4, description="world size")},
+         # a drag launches ranks once, where it stops, not for every value passed
+         "world_size": widgets.IntSlider(value=2, min=2, max=4, description="world size", continuous_update=False)},
         render, title="Collective bandwidth and timeline")
     explorer.show();
     """, tags=["nbval-ignore-output"]),

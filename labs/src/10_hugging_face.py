@@ -180,14 +180,16 @@ CELLS = [
     adapters and norms riding along: the last lines split the whole layer's all-gather, printed as a fraction
     of its float32 size. Only the adapters' gradients are reduce-scattered. The figure stacks rank 0's bytes
     by category at the peak of its step (the bar's height is that peak) and shows the timeline of both ranks
-    for each run; the widget below switches between them.
+    for each run; the widget below switches between them. (A run's duration is its first step's, where one rank
+    may wait for the other: it changes from run to run, the bytes and counts do not.)
     """),
     code("""
     def render(kind):
         fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 3]})
         plot_breakdown({k: runs[k][0]["memory"].peak for k in KINDS}, ax=left, unit="KiB",
                        title="rank 0 bytes by category at the step's peak")
-        plot_timeline(Timeline.merge([r["timeline"] for r in runs[kind]]), ax=right, title=f"{kind}, 2 ranks, one step")
+        plot_timeline(Timeline.merge([r["timeline"] for r in runs[kind]]), ax=right, title=f"{kind}, 2 ranks, one step",
+                      legend_outside=True)
         fig.tight_layout()
         return fig
 
