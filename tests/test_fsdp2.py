@@ -491,3 +491,42 @@ def test_a_module_s_extra_state_round_trips_through_full_state_dicts():
             result, loaded, after = rank[broadcast]
             assert (result.missing_keys, result.unexpected_keys) == ([], []) and loaded == {"step": 16}
             assert all(torch.equal(after[k], v) for k, v in rank["saved"].items() if isinstance(v, torch.Tensor))
+
+
+def _state_dicts_of_a_gathered_model():
+    """One SGD step with the groups left gathered after backward (or gathered again by hand); what
+    the state dicts give then, and whether the full one survives the next reshard."""
+    from fsdp_lab.fsdp2 import fully_shard, get_full_state_dict
+
+    out = {}
+    for how in ("reshard_after_backward_false", "unshard_by_hand"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(model[0]), fully_shard(model[1]), fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if how == "reshard_after_backward_false":
+            model.set_reshard_after_backward(False)
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        if how == "unshard_by_hand":
+            model[0].unshard()
+        kinds = {key: type(value).__name__ for key, value in model.state_dict().items()}
+        model[0].unshard()
+        full = get_full_state_dict(model, rank0_only=False)
+        model[0].reshard()  # frees what a gathered copy would have shared
+        out[how] = {"kinds": kinds, "full": {k: v.clone() for k, v in full.items()}}
+    return out
+
+
+def test_state_dicts_of_a_gathered_model_are_its_sharded_updated_parameters():
+    # PyTorch's FSDP2 reshards before a state dict is saved or loaded: its entries are the DTensors
+    # the optimizer updated, not gathered copies from before the step
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    for rank in fsdp_lab.launch(_state_dicts_of_a_gathered_model, world_size=2, timeout=120):
+        for how, got in rank.items():
+            assert set(got["kinds"].values()) == {"DTensor"}, (how, got["kinds"])
+            assert _max_diff(got["full"], reference.state_dict()) <= 1e-7, how

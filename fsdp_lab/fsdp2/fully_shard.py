@@ -102,12 +102,32 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     group = FSDPParamGroup(fsdp_params, modules, mesh, device, reshard_after_forward is not False,
                            name=name) if fsdp_params else None
     state = _FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
+    if group is not None:
+        _reshard_before_state_dicts(group)
     for m in modules:
         m._fsdp_state = state
         m.__class__ = _fsdp_class(type(m))
         m.register_forward_pre_hook(state.pre_forward_hook, with_kwargs=True)
         m.register_forward_hook(state.post_forward_hook, with_kwargs=True)
     return module
+
+
+def _reshard_before_state_dicts(group: FSDPParamGroup) -> None:
+    """As PyTorch's FSDP2: saving or loading a state dict first reshards the group, so its entries
+    are always the sharded DTensors the optimizer updates (a group left gathered, e.g. by
+    ``set_reshard_after_backward(False)`` or ``unshard()``, would give its gathered copies,
+    stale after an optimizer step and sharing storage a later reshard frees)."""
+    group_ref = weakref.ref(group)  # the module's hook must not keep its group alive
+
+    def to_sharded(*_args, **_kwargs) -> None:
+        live = group_ref()
+        if live is not None:
+            live.reshard()
+
+    owners = {id(module): module for fsdp_param in group.fsdp_params for module, _ in fsdp_param.module_infos}
+    for module in owners.values():
+        module.register_state_dict_pre_hook(to_sharded)
+        module._register_load_state_dict_pre_hook(to_sharded)
 
 
 # -- checks and construction ------------------------------------------------------------------
