@@ -464,3 +464,44 @@ def test_fsdp1_mixed_precision_leaves_nf4_bytes_alone(ranks, reference):
     mean = [sum(r["fsdp1_bf16"]["losses"][s] for r in ranks) / len(ranks) for s in range(STEPS)]
     assert mean[-1] < mean[0]
     assert abs(mean[0] - reference["losses"][0]) < 2e-2
+
+
+def _tiny_qlora(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    apply_lora(model, target_modules=["0", "2"], rank=4, alpha=8)
+    return model
+
+
+def _fsdp1_wrapped_by_hand_then_moved():
+    """FSDP1 units made by hand, bottom up (each parent's wrap moves its children), then
+    ``model.to("cpu")`` where everything already is; one SGD step. Returns the adapters, whole."""
+    import torch.distributed as dist
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _tiny_qlora()
+    model[0], model[2] = FSDP(model[0]), FSDP(model[2])
+    model = FSDP(model).to("cpu")
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(x[rank * 4 // world:(rank + 1) * 4 // world]).pow(2).mean().backward()
+    opt.step()
+    with FSDP.summon_full_params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora" in n}
+
+
+def test_fsdp1_qlora_units_wrapped_by_hand_and_moved_train_like_one_process():
+    # torch's Module._apply swapped each NF4 weight with itself, which the weak references FSDP
+    # keeps on it refuse ("Couldn't swap LoRALinear.weight")
+    model = _tiny_qlora()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    expected = {n: p.detach() for n, p in model.named_parameters() if "lora" in n}
+    for got in fsdp_lab.launch(_fsdp1_wrapped_by_hand_then_moved, world_size=2, timeout=120):
+        assert set(got) == set(expected)
+        for name, value in expected.items():
+            assert (got[name] - value).abs().max().item() <= 1e-6, name

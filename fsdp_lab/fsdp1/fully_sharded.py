@@ -221,6 +221,14 @@ class FullyShardedDataParallel(ShardedUnit):
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
+    def _apply(self, fn, recurse: bool = True):
+        # A move to where every tensor already is (model.to(device) after wrapping, or a parent unit
+        # wrapping this one) changes nothing, yet torch's _apply would swap each tensor-subclass
+        # parameter (an NF4 weight) with itself, which the weak references kept on it refuse.
+        if all(fn(t) is t for t in [*self.parameters(), *self.buffers()]):
+            return self
+        return super()._apply(fn, recurse)
+
     def __getitem__(self, key: Any) -> Any:
         """Index the wrapped module (an ``nn.Sequential``'s ``model[0]``), as PyTorch's FSDP1 does.
         Raises what the wrapped module raises (TypeError when it cannot be indexed)."""
