@@ -249,3 +249,30 @@ def test_each_rank_holds_its_shards_plus_one_unit(ranks, case):
         assert measured["shards"] <= whole / WORLD * 1.02  # shards are a quarter (plus padding)
         assert measured["peak"] <= measured["shards"] + unit, (rank, measured, unit)
         assert whole >= 3 * measured["peak"], (rank, measured, whole)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(11, 6), nn.Linear(6, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("init", ["param_init_fn", "reset_parameters"])
+def test_fsdp1_meta_init_keeps_tied_weights_tied(init):
+    # param_init_fn's to_empty(recurse=False) makes a tensor per module: the output layer then
+    # trained a weight of its own (one parameter more than the model built off meta)
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP
+
+    def fill(module):
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for param in module.parameters(recurse=False):
+                param.fill_(0.1)
+
+    with torch.device("meta"):
+        model = _Tied()
+    with fsdp_lab.simulated_world(2):
+        wrapped = FSDP(model, **({"param_init_fn": fill} if init == "param_init_fn" else {}))
+        assert model.emb.weight is model.out.weight
+        assert len(list(wrapped.parameters())) == len(list(_Tied().parameters())) == 1

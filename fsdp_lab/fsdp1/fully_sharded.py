@@ -438,12 +438,20 @@ def _resolve_device(device_id) -> torch.device:
 def _materialize_meta(module: nn.Module, ignored: set[nn.Module], param_init_fn, device: torch.device) -> None:
     """PyTorch's meta-device init: ``param_init_fn(m)`` for each module this unit owns that has
     meta tensors (outer modules first), or, without one, ``m.to_empty(device, recurse=False)``
-    then ``m.reset_parameters()``. Raises ValueError naming a module without
+    then ``m.reset_parameters()``; tied parameters are tied again. Raises ValueError naming a module without
     ``reset_parameters`` (and no ``param_init_fn``) or a tensor left on meta."""
     def has_meta(m: nn.Module) -> bool:
         return any(t is not None and t.is_meta for t in [*m._parameters.values(), *m._buffers.values()])
 
-    for prefix, sub in _owned_modules(module, ignored):
+    # a parameter registered in several modules (tied weights) is materialised once per module by
+    # to_empty; they are tied again below, to the first module's, as a model built off meta has them
+    owned = list(_owned_modules(module, ignored))
+    shared: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = {}
+    for _, sub in owned:
+        for name, param in sub._parameters.items():
+            if param is not None and param.is_meta:
+                shared.setdefault(id(param), (param, []))[1].append((sub, name))
+    for prefix, sub in owned:
         if not has_meta(sub):
             continue
         if param_init_fn is not None:
@@ -462,6 +470,10 @@ def _materialize_meta(module: nn.Module, ignored: set[nn.Module], param_init_fn,
                              "param_init_fn(module) must materialise the module's own tensors, e.g. "
                              "module.to_empty(device=..., recurse=False) and then initialise them")
         sub._apply(lambda t: t.to(device), recurse=False)  # param_init_fn may have chosen another device
+    for _, places in shared.values():
+        (first, first_name), *others = places
+        for sub, name in others:
+            sub._parameters[name] = first._parameters[first_name]
 
 
 @torch.no_grad()
