@@ -1,5 +1,7 @@
 """fsdp_lab.fsdp1: what each sharding strategy gathers, ``clip_grad_norm_`` for every norm type,
-and ``ignored_modules``, against references worked in this process.
+and ``ignored_modules``, against references worked in this process; and cases a differential
+test against one process found: a unit that sits out the synced microbatch of ``no_sync``, a unit
+called twice under activation checkpointing, a DCP checkpoint with an empty parameter.
 
 One 2-rank launch (module-scoped fixture) runs every case on a 2-layer "cpu" Llama and returns
 plain values; a 6-rank launch runs the sharding strategies again where a flat parameter needs
@@ -216,12 +218,43 @@ def _checkpointed_twice_run(reentrant: bool) -> dict:
     return model.state_dict()
 
 
+class _WithEmptyParameter(torch.nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear, self.empty = torch.nn.Linear(4, 3), torch.nn.Parameter(torch.randn(0, 3))
+
+
+def _dcp_with_an_empty_parameter() -> dict:
+    """dcp.save of dcp_state_dict, then dcp.load into a model of other values: its state after."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_lab.fsdp1 import FullyShardedDataParallel as FSDP, dcp_state_dict, load_dcp_state_dict
+
+    folder = [tempfile.mkdtemp(prefix="fsdp1_dcp_empty_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    saved, loaded = FSDP(_WithEmptyParameter(seed=0)), FSDP(_WithEmptyParameter(seed=1))
+    dcp.save(dcp_state_dict(saved), checkpoint_id=folder[0])
+    state = dcp_state_dict(loaded)
+    dcp.load(state, checkpoint_id=folder[0])
+    load_dcp_state_dict(loaded, state)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0], ignore_errors=True)
+    with FSDP.summon_full_params(loaded):
+        return {n: p.detach().clone() for n, p in loaded.named_parameters()}
+
+
 def run_rank() -> dict:
     return {"strategies": {s: _strategy_run(s) for s in STRATEGIES},
             "clip": {_key(t): _clip_run(t) for t in MAX_NORM},
             "ignored": _ignored_run(),
             "branches": {(s, mode): _branches_run(s, mode) for s in STRATEGIES for mode in ("flat", "concat")},
-            "checkpointed_twice": {reentrant: _checkpointed_twice_run(reentrant) for reentrant in (False, True)}}
+            "checkpointed_twice": {reentrant: _checkpointed_twice_run(reentrant) for reentrant in (False, True)},
+            "dcp_empty_parameter": _dcp_with_an_empty_parameter()}
 
 
 def run_padded_rank() -> dict:
@@ -437,6 +470,15 @@ def test_a_unit_called_twice_under_checkpointing_trains_like_one_process(results
         state = result["checkpointed_twice"][reentrant]
         for key, value in model.state_dict().items():
             assert (state[key] - value).abs().max().item() <= 1e-6, (reentrant, rank, key)
+
+
+def test_a_dcp_checkpoint_with_an_empty_parameter_round_trips(results):
+    # the empty parameter has no range on any rank: as a ShardedTensor DCP refused the whole save
+    expected = dict(_WithEmptyParameter(seed=0).named_parameters())
+    for result in results:
+        got = result["dcp_empty_parameter"]
+        assert set(got) == set(expected) and got["empty"].shape == (0, 3)
+        assert all(torch.equal(got[n], p.detach()) for n, p in expected.items())
 
 
 # --- clip_grad_norm_ ----------------------------------------------------------------------------------------

@@ -40,9 +40,7 @@ def _parts(name: str, entry) -> list[tuple[str, ShardedParam]]:
 def _sharded_tensor(part: ShardedParam):
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 
-    numel = 1
-    for size in part.shape:
-        numel *= size
+    numel = _numel(part)
     device = part.local.device.type
     shards = [Shard(part.local, ShardMetadata([part.start], [part.end - part.start],
                                               f"rank:{dist.get_rank()}/{device}"))] if part.end > part.start else []
@@ -71,8 +69,17 @@ def dcp_state_dict(model: nn.Module) -> dict[str, object]:
         if not parts:
             out[name] = entry  # an unmanaged parameter or a buffer: whole on every rank
         for key, part in parts:
-            out[key] = _sharded_tensor(part)
+            # a parameter without elements has no range on any rank, which a ShardedTensor refuses;
+            # it is saved as the empty tensor it is
+            out[key] = _sharded_tensor(part) if _numel(part) else part.local.new_empty(part.shape)
     return out
+
+
+def _numel(part: ShardedParam) -> int:
+    numel = 1
+    for size in part.shape:
+        numel *= size
+    return numel
 
 
 @torch.no_grad()
@@ -89,6 +96,8 @@ def load_dcp_state_dict(model: nn.Module, state: dict[str, object]) -> None:
         for key, part in parts:
             if key not in state:
                 raise KeyError(f"{key!r} is missing; build the state dict with dcp_state_dict(model) before dcp.load")
+            if not _numel(part):  # nothing to copy into an empty parameter
+                continue
             shards = state[key].local_shards()
             if shards:
                 part.local.copy_(shards[0].tensor)
