@@ -248,7 +248,7 @@ def _collect(ranks: list[RankHandle], printing: set[int], deadline: float, timeo
             settle = time.monotonic() + _SETTLE_S
             while waiting and time.monotonic() < settle:
                 failures += _poll(ranks, waiting, printing, settle - time.monotonic())
-            raise _failure(failures)
+            raise _failure(failures, returned=[r.rank for r in ranks if r.result is not None])
     _await_exits(ranks, printing, min(deadline, time.monotonic() + _EXIT_GRACE_S))
     return [torch.load(io.BytesIO(rank.result), map_location="cpu", weights_only=False)
             for rank in ranks]
@@ -293,9 +293,21 @@ def _await_exits(ranks: list[RankHandle], printing: set[int], until: float) -> N
         relay_native(rank, printing)
 
 
-def _failure(failures: list) -> LaunchError:
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer")  # gloo's words for a peer gone
+
+
+def _failure(failures: list, returned: list[int] = ()) -> LaunchError:
+    """One LaunchError leading with the earliest failure; the others follow as its echoes. Where
+    the failure is a lost connection and ranks in ``returned`` had already ended their function,
+    it says so: that peer did not crash, it left a collective the others were still in."""
     failures.sort(key=lambda f: f[0])
     first = failures[0][1]
+    if returned and any(words in str(first).split("\n")[0] for words in _LOST_PEER):
+        which = ", ".join(str(r) for r in returned)
+        first = LaunchError(f"{first}\n(rank{'s' if len(returned) > 1 else ''} {which} had returned from the "
+                            "function while this rank was still in a collective: every rank must make the "
+                            "same collective calls, in the same order)",
+                            rank=first.rank, traceback=first.traceback, exitcode=first.exitcode)
     if len(failures) == 1:
         return first
     echoes = "\n".join(f"  {str(e).splitlines()[0]}" for _, e in failures[1:])

@@ -223,3 +223,19 @@ def test_a_rank_waiting_for_a_slow_peer_is_not_a_deadlock():
     from fsdp_lab.launch import _DEADLOCK_S
     results = launch(_one_rank_late, 2 * _DEADLOCK_S + 1, world_size=2, timeout=120)
     assert results == [[3.0] * 4, [3.0] * 4]
+
+
+def _rank_1_returns_early():
+    if dist.get_rank() == 1:
+        return "done"
+    dist.all_reduce(torch.ones(3))  # rank 1 never joins: gloo reports the connection it closed
+    return "never"
+
+
+def test_a_rank_that_returned_while_its_peer_was_in_a_collective_is_named():
+    # gloo's words alone ("Connection closed by peer ... a remote worker crashing") blame a crash
+    with pytest.raises(LaunchError) as caught:
+        launch(_rank_1_returns_early, world_size=2, timeout=60)
+    message = str(caught.value)
+    assert caught.value.rank == 0
+    assert "rank 1 had returned from the function while this rank was still in a collective" in message
