@@ -376,7 +376,12 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
     # than their gradients add, so this is the backward peak (the optimizer phase covers the end)
     head_grad = 0 if qlora else config.vocab_size * config.dim + config.dim
     layer_grad = (full_train / max(config.n_layers, 1)) if qlora else layer_numel
-    block_grad = max((math.prod(s) for u, s in trainable if u != "root"), default=0)  # one parameter's
+    # the first gradient a block's backward makes is its last linear's (w2): no smaller than the
+    # largest trainable parameter of a block for the Llama (w1, w2, w3 are one size), so that stands in
+    largest_block_grad = max((math.prod(s) for u, s in trainable if u != "root"), default=0)
+    # at block 0's post-backward the root's and block 0's gradients are not reduced yet: their
+    # sharded parts do not exist (FSDP reduces the root last)
+    unreduced_at_end = shard_numel([(u, s) for u, s in trainable if u in ("root", "layers.0")]) * g
     bwd_acts = acts["total"] - acts["loss"] + acts["recompute"]
     # when the loss gradient is computed (the forward_end moment) the loss has let go of its labels
     loss_grad_acts = acts["total"] - acts["labels"]
@@ -438,12 +443,15 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
             # gradients, the next block's prefetched all-gather still in its flat output buffer),
             # and its post-backward (its activations freed, its whole gradient being copied into
             # its reduce-scatter input, the block still gathered)
-            prefetched = 0 if keep_unsharded else int(layer_gathered * c) + layer_quant
-            start = phase(activations=bwd_acts, unsharded_params=gathered - prefetched,
-                          unsharded_grads=int((head_grad + block_grad) * g),
+            prefetched = int(layer_gathered * c) + layer_quant
+            gathered_here = gathered - (0 if keep_unsharded else prefetched)
+            if keep_unsharded or config.n_layers < 2:  # kept gathered, or no block before to prefetch
+                prefetched = 0
+            start = phase(activations=bwd_acts, unsharded_params=gathered_here,
+                          unsharded_grads=int((head_grad + largest_block_grad) * g),
                           comm_buffers=prefetched, temporaries=bwd_temp)
             end = phase(activations=bwd_acts - acts["recompute"] - acts["kept_per_block"],
-                        unsharded_params=gathered - prefetched,
+                        unsharded_params=gathered_here,
                         unsharded_grads=int((head_grad + layer_grad) * g),
                         comm_buffers=prefetched + int(layer_grad * g), temporaries=dequant_temp)
             phases["backward"] = max(start, end, key=lambda b: sum(b.values()))
@@ -452,7 +460,7 @@ def estimate(config: LlamaConfig | str, *, world_size: int, strategy: str, param
                                        unsharded_grads=int((root_grad if flat else emb_grad) * g + layer_grad * g),
                                        comm_buffers=int(layer_grad * g),
                                        temporaries=acts["backward_transient"] + dequant_temp,
-                                       **{grad_cat: grads_on_device})
+                                       **{grad_cat: 0 if cpu_offload else grads - unreduced_at_end})
         phases["optimizer_step"] = phase(**{grad_cat: grads_on_device}, temporaries=0 if cpu_offload else opt_temp)
         notes.append("FSDP transients: one block and its prefetched successor gathered in backward; "
                      "the root module stays gathered between forward and backward")
