@@ -331,7 +331,7 @@ def launch_setting_problem() -> Check | None:
                      f"interface {', '.join(unknown)}",
                      f"unset GLOO_SOCKET_IFNAME (`unset GLOO_SOCKET_IFNAME`: on one machine ranks connect over "
                      f"loopback, {fdist.loopback_interface() or 'lo'}), or set it to interfaces this machine "
-                     f"has: {', '.join(names)}")
+                     f"has: {', '.join(names) or '(this system does not list them)'}")
     return None
 
 

@@ -302,7 +302,8 @@ def _failure(failures: list, returned: list[int] = ()) -> LaunchError:
     it says so: that peer did not crash, it left a collective the others were still in."""
     failures.sort(key=lambda f: f[0])
     first = failures[0][1]
-    if returned and any(words in str(first).split("\n")[0] for words in _LOST_PEER):
+    crashed = any(error.exitcode not in (None, 0) for _, error in failures)  # then that is the cause
+    if returned and not crashed and any(words in str(first).split("\n")[0] for words in _LOST_PEER):
         which = ", ".join(str(r) for r in returned)
         first = LaunchError(f"{first}\n(rank{'s' if len(returned) > 1 else ''} {which} had returned from the "
                             "function while this rank was still in a collective: every rank must make the "

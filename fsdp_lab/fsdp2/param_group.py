@@ -56,10 +56,10 @@ def set_synchronous(synchronous: bool) -> bool:
 class _AllGather:
     """An all-gather in flight: its handle, output buffer and what to copy out where."""
 
-    def __init__(self, handle, input, output, buffer_dtype, inputs, dtypes, owners, split_numels):
+    def __init__(self, handle, output, buffer_dtype, inputs, dtypes, owners, split_numels):
         self.handle = handle
-        self.input = input                # (sum(split_numels),) buffer_dtype: this rank's copied-in shards, a view of output
-        self.output = output              # (world * sum(split_numels),) buffer_dtype, rank-major
+        self.output = output              # (world * sum(split_numels),) buffer_dtype, rank-major; this rank's
+                                          # rows were the collective's input (the copied-in shards)
         self.buffer_dtype = buffer_dtype  # the wire dtype, or uint8 when the inputs' dtypes differ
         self.inputs, self.dtypes = inputs, dtypes  # every all-gather input and its wire dtype
         self.owners = owners              # how many of the inputs each FSDPParam gave, in order
@@ -194,7 +194,7 @@ class FSDPParamGroup:
         handle = collectives.all_gather_into_tensor(output, flat_input, group=self.group, async_op=True,
                                                     meta={"module": self.name},
                                                     before_issue=functools.partial(sync_points.fire, "all_gather", self.name))
-        self._all_gather = _AllGather(handle, flat_input, output, buffer_dtype, inputs, dtypes, owners, split_numels)
+        self._all_gather = _AllGather(handle, output, buffer_dtype, inputs, dtypes, owners, split_numels)
         self.sharded_state = ShardedState.GATHERING
         if not async_op or _SYNCHRONOUS:
             self.wait_for_unshard()

@@ -100,7 +100,11 @@ def reset(labs: pathlib.Path, name: str, *, execute: bool = False) -> tuple[path
     backup = None
     if target.exists():
         backup = backup_path(labs, stem)
-        shutil.copy2(target, backup)
+        try:
+            shutil.copy2(target, backup)
+        except BaseException:
+            backup.unlink(missing_ok=True)  # no empty file posing as a backup
+            raise
     # a learner's run: figures go to labs/my_figures/, the shipped ones stay as they are
     nbbuild.write(stem, cells, "student", execute=execute, path=target, committed_figures=False)
     return target, backup
