@@ -13,6 +13,9 @@ root):
   all-gathers of every forward and every backward, against counts worked by hand here (and
   PyTorch's own ``fully_shard`` with the same calls where it runs on CPU), and the trained
   parameters against one process running the same batches.
+
+A launch of its own checks what a state dict of a group left gathered gives: the sharded
+parameters the optimizer updated (as PyTorch's FSDP2 reshards first), against one process.
 """
 
 from __future__ import annotations
@@ -231,3 +234,48 @@ def test_training_with_the_reshard_knobs_matches_one_process(ranks):
         assert full.keys() == expected.keys()
         for key, value in expected.items():
             assert torch.allclose(full[key], value, atol=1e-6, rtol=0), key
+
+
+def _state_dicts_of_a_gathered_model():
+    """One SGD step with the groups left gathered after backward (or gathered again by hand); what
+    the state dicts give then, and whether the full one survives the next reshard."""
+    from fsdp_lab.fsdp2 import fully_shard, get_full_state_dict
+
+    out = {}
+    for how in ("reshard_after_backward_false", "unshard_by_hand"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model[0]), fully_shard(model[1]), fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if how == "reshard_after_backward_false":
+            model.set_reshard_after_backward(False)
+        model(torch.ones(3, 4)).sum().backward()
+        opt.step()
+        if how == "unshard_by_hand":
+            model[0].unshard()
+        state = model.state_dict()
+        kinds = {key: type(value).__name__ for key, value in state.items()}
+        model[0].unshard()
+        model[0].reshard()  # frees what a gathered copy taken above would share
+        out[how] = {"kinds": kinds, "full": {k: v.full_tensor().clone() for k, v in state.items()},
+                    "get_full_state_dict": get_full_state_dict(model, rank0_only=False)}
+    return out
+
+
+def test_state_dicts_of_a_gathered_model_are_its_sharded_updated_parameters():
+    # PyTorch's FSDP2 reshards before a state dict is saved or loaded: its entries are the DTensors
+    # the optimizer updated, not gathered copies from before the step
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    for rank in fsdp_lab.launch(_state_dicts_of_a_gathered_model, world_size=2, timeout=120):
+        for how, got in rank.items():
+            assert set(got["kinds"].values()) == {"DTensor"}, (how, got["kinds"])
+            assert _max_abs_diff(got["full"], reference.state_dict()) <= 1e-7, how
+            assert _max_abs_diff(got["get_full_state_dict"], reference.state_dict()) <= 1e-7, how
+
+
+def _max_abs_diff(got: dict, want: dict) -> float:
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
