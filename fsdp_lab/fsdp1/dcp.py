@@ -16,6 +16,8 @@ for DTensor and says so in a ``FutureWarning`` from DCP.)
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -76,10 +78,7 @@ def dcp_state_dict(model: nn.Module) -> dict[str, object]:
 
 
 def _numel(part: ShardedParam) -> int:
-    numel = 1
-    for size in part.shape:
-        numel *= size
-    return numel
+    return math.prod(part.shape)
 
 
 @torch.no_grad()
