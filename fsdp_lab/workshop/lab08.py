@@ -19,6 +19,7 @@ quantization, the runs and the arithmetic they draw.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -289,6 +290,36 @@ def print_recorded_compile_ratios(path, lab_shape) -> None:
           f"{' x '.join(str(n) for n in lab_shape)}): time / compiled's: eager (gather form) "
           f"{recorded['ratio_eager_gather_over_compiled']:.2f}x; eager (element-wise form) "
           f"{recorded['ratio_eager_elementwise_over_compiled']:.1f}x")
+
+
+def train_recorded(model, steps: int = 3) -> dict:
+    """On each rank of a launch: ``steps`` AdamW steps (lr 5e-3, trainable parameters only) of the
+    sharded ``model`` on lab 08's batches (4 x 32 tokens over the ranks); the second step is recorded.
+    Returns "losses" (this rank's), "memory" (that step's MemoryResult), "events" (its collectives:
+    name, module, bytes) and "unsharded_after" (bytes still gathered after the last step)."""
+    import torch.distributed as dist
+
+    from fsdp_lab.memory.tracker import MemoryTracker
+    from fsdp_lab.models.data import global_batch, shard_batch
+    from fsdp_lab.timeline import Timeline
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    losses, result, events = [], None, []
+    for step in range(steps):
+        batch = shard_batch(global_batch(512, 4, 32, step=step), rank, world)
+        recording = step == 1
+        with MemoryTracker(model, opt) if recording else contextlib.nullcontext() as tracker, \
+                Timeline() if recording else contextlib.nullcontext() as timeline:
+            loss = model(batch.input_ids, batch.labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if recording:
+            result = tracker.result()
+            events = [(e.name, e.args.get("module"), e.bytes) for e in timeline.comm_events(rank)]
+        losses.append(loss.item())
+    return {"losses": losses, "memory": result, "events": events, "unsharded_after": bytes_still_gathered(model)}
 
 
 def bytes_still_gathered(model) -> int:

@@ -269,33 +269,14 @@ CELLS = [
         torch.manual_seed(0)                          # the adapters' initial values
         return apply_lora(model, rank=8, alpha=16, quantize_base=True)
 
-    def qlora_step(steps=3):
-        import torch.distributed as dist
+    def qlora_step(steps=3):    # FSDP2 over the QLoRA Llama: each block a group, then the root
         from fsdp_lab.fsdp2 import fully_shard
-        from fsdp_lab.memory.tracker import MemoryTracker
-        from fsdp_lab.models.data import global_batch, shard_batch
-        from fsdp_lab.timeline import Timeline
-        rank, world = dist.get_rank(), dist.get_world_size()
         model = qlora_llama()
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
-        losses = []
-        for step in range(steps):
-            batch = shard_batch(global_batch(512, 4, 32, step=step), rank, world)
-            if step == 1:
-                with MemoryTracker(model, opt) as tracker, Timeline() as tl:
-                    loss = model(batch.input_ids, batch.labels).loss
-                    loss.backward(); opt.step(); opt.zero_grad()
-                result = tracker.result()
-                events = [(e.name, e.args.get("module"), e.bytes) for e in tl.comm_events(rank)]
-            else:
-                loss = model(batch.input_ids, batch.labels).loss
-                loss.backward(); opt.step(); opt.zero_grad()
-            losses.append(loss.item())
-        unsharded_after = lab08.bytes_still_gathered(model)
-        return {"losses": losses, "memory": result, "events": events, "unsharded_after": unsharded_after}
+        # AdamW on the adapters; the second step under a MemoryTracker and a Timeline
+        return lab08.train_recorded(model, steps)
 
     runs = fsdp_lab.launch(qlora_step, world_size=2)
     r0 = runs[0]
