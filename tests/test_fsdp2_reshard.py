@@ -27,6 +27,7 @@ import fsdp_lab
 from fsdp_lab.models.data import global_batch, shard_batch
 from fsdp_lab.models.llama import Llama, LlamaConfig
 
+from _optim_state_cases import max_diff
 from _torch_reference import TORCH_FSDP2_ON_CPU
 
 WORLD = 2
@@ -273,9 +274,5 @@ def test_state_dicts_of_a_gathered_model_are_its_sharded_updated_parameters():
     for rank in fsdp_lab.launch(_state_dicts_of_a_gathered_model, world_size=2, timeout=120):
         for how, got in rank.items():
             assert set(got["kinds"].values()) == {"DTensor"}, (how, got["kinds"])
-            assert _max_abs_diff(got["full"], reference.state_dict()) <= 1e-7, how
-            assert _max_abs_diff(got["get_full_state_dict"], reference.state_dict()) <= 1e-7, how
-
-
-def _max_abs_diff(got: dict, want: dict) -> float:
-    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+            assert max_diff(got["full"], reference.state_dict()) <= 1e-7, how
+            assert max_diff(got["get_full_state_dict"], reference.state_dict()) <= 1e-7, how
